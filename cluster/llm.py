@@ -1,0 +1,158 @@
+"""``LLM``: offline generation with vLLM's calling convention.
+
+``LLM(model).generate(prompts, SamplingParams(...))`` returns one ``RequestOutput``
+per prompt, in order; ``chat`` applies the model's chat template first. Every prompt
+and parameter is validated before any work starts, so one bad input fails the call
+without leaving half the batch running.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from cluster.config import EngineConfig, config_from_dict, load_config
+from cluster.engine import LocalEngine
+from cluster.outputs import RequestOutput
+from scheduler.protocol import SamplingParams
+from workers.tokenizer import Tokenizer
+
+PromptInput = str | dict[str, Any] | Sequence[int]
+
+# LLM keyword -> (config section, field)
+_OVERRIDES = {
+    "model": ("model", "path"), "tokenizer": ("model", "tokenizer"),
+    "dtype": ("model", "dtype"), "device": ("model", "device"), "seed": ("model", "seed"),
+    "block_size": ("cache", "block_size"), "kv_cache_bytes": ("cache", "kv_cache_bytes"),
+    "kv_cache_dtype": ("cache", "kv_dtype"),
+    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
+    "max_model_len": ("scheduler", "max_model_len"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
+    "scheduling_policy": ("scheduler", "policy"),
+}
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: str | Path | EngineConfig | None = None,
+                 **kwargs: Any) -> None:
+        """``model``: an HF checkpoint directory or a GGUF file (None: the embedded
+        SmolLM2-135M-Instruct). ``config``: a YAML file or ``EngineConfig``; keyword
+        arguments (``dtype``, ``device``, ``seed``, ``block_size``, ``kv_cache_bytes``,
+        ``enable_prefix_caching``, ``max_model_len``, ``max_num_seqs``,
+        ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``scheduling_policy``,
+        ``tokenizer``, ``kv_cache_dtype``) override it."""
+        unknown = sorted(set(kwargs) - set(_OVERRIDES))
+        if unknown:
+            allowed = ", ".join(["model", "config", *(k for k in _OVERRIDES if k != "model")])
+            raise TypeError(f"LLM got unknown argument(s) {', '.join(unknown)}; "
+                            f"allowed: {allowed}")
+        base = config if isinstance(config, EngineConfig) else load_config(config)
+        if model is not None:
+            kwargs["model"] = model
+        self.config = _with_overrides(base, kwargs)
+        self.engine = LocalEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        batch = _as_batch(prompts)
+        return self._run([self._parse(p) for p in batch], sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             *, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        parsed = []
+        for conv in conversations:
+            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            parsed.append(self._parse({"prompt": text}, add_special_tokens=False))
+        return self._run(parsed, sampling_params, use_tqdm, None)
+
+    # ---- internals -------------------------------------------------------------------
+    def _parse(self, prompt: PromptInput,
+               add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"prompt dict has keys {sorted(prompt)}; expected 'prompt' "
+                                 "or 'prompt_token_ids'")
+        return self.engine.tokenize_prompt(prompt, add_special_tokens)
+
+    def _run(self, parsed: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(parsed))
+        prios = list(priority) if priority is not None else [0] * len(parsed)
+        if len(prios) != len(parsed):
+            raise ValueError(f"priority has {len(prios)} entries for {len(parsed)} prompts")
+        ids = [str(next(self._ids)) for _ in parsed]
+        for rid, (text, tokens), sp, prio in zip(ids, parsed, params, prios):
+            self.engine.add_request(rid, text, tokens, sp, prio)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), disable=not use_tqdm, desc="generate")
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [done[rid] for rid in ids]
+
+
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
+                n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sps = list(sp)
+    if len(sps) != n:
+        raise ValueError(f"got {len(sps)} sampling params for {n} prompts; give one, or one "
+                         "per prompt")
+    return sps
+
+
+def _with_overrides(base: EngineConfig, kwargs: dict[str, Any]) -> EngineConfig:
+    data = {name: dataclasses.asdict(getattr(base, name))
+            for name in ("model", "cache", "scheduler")}
+    for key, value in kwargs.items():
+        section, fieldname = _OVERRIDES[key]
+        data[section][fieldname] = value
+    return config_from_dict(data)

@@ -1,0 +1,48 @@
+"""Preallocated KV memory of one pool, in the ND layout.
+
+One tensor per layer, ``(2, num_blocks, block_size, kv_heads, head_dim)``: index 0
+holds keys and 1 values, so a block's K and V of a layer are two contiguous slabs
+and a token's slot is ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        n = budget_bytes // self.bytes_per_block
+        if n < 1:
+            raise ValueError(
+                f"kv_cache_bytes: got {budget_bytes}; one block of this model needs "
+                f"{self.bytes_per_block} bytes; raise the budget")
+        return int(n)
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    return [torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
+            for _ in range(shape.num_layers)]
+
+
+def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat slots of ``positions`` in a sequence whose blocks are ``block_table``."""
+    return block_table[positions // block_size] * block_size + positions % block_size

@@ -1,0 +1,259 @@
+"""Continuous batching for one worker's KV pool.
+
+Each step spends a token budget: running sequences first (a decode costs one
+token, an unfinished prompt continues in a chunk), then waiting sequences in queue
+order, their cached prefix skipped and their prompt chunked to fit. When the pool
+runs out, the worst running sequence (last admitted, or lowest priority) is
+preempted: its blocks are freed and it is recomputed later from its prompt plus the
+tokens it already produced. Nothing here touches a tensor: the plan names blocks
+and token counts, the worker does the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from kvcache.kv_cache_manager import KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.protocol import (
+    ContinuedSequence,
+    ForkedSequence,
+    NewSequence,
+    SamplingParams,
+    SequenceOutput,
+    StepOutput,
+    StepPlan,
+)
+from scheduler.sequence import (
+    SeqStatus,
+    Sequence,
+    SeqUpdate,
+    WaitingQueue,
+    child_seq_id,
+)
+
+
+class BatchScheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 eos_token_ids: Seq[int]) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = WaitingQueue(config.policy == "priority")
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0
+        self._arrivals = itertools.count()
+        self._step = 0
+        self._on_worker: set[str] = set()
+        self._drops: list[str] = []
+        self._forks: list[ForkedSequence] = []
+
+    # ---- requests ------------------------------------------------------------------
+    def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+            priority: int = 0) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0 or n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; it must have at least 1 and fewer than "
+                             f"max_model_len={self.max_model_len}")
+        if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}; enable chunked prefill")
+        seq = Sequence(child_seq_id(request_id, 0), request_id, list(prompt_token_ids), n,
+                       sampling, next(self._arrivals), priority)
+        self.seqs[seq.seq_id] = seq
+        self.requests[request_id] = [seq]
+        self.waiting.push(seq)
+
+    def abort(self, request_id: str) -> list[SeqUpdate]:
+        """Finish every unfinished sequence of a request now and free its blocks."""
+        return [self._finish(s, "abort") for s in self.requests.get(request_id, [])
+                if not s.is_finished]
+
+    def stop_sequence(self, seq_id: str) -> None:
+        """Finish a sequence the output side stopped (a stop string matched)."""
+        seq = self.seqs.get(seq_id)
+        if seq is not None:
+            self._finish(seq, "stop")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.seqs) - len(self.running)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, tuple[Sequence, int, list[int]]] = {}
+        preempted = False
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while True:
+                added = self.kv.allocate(seq.seq_id, seq.token_ids, num_new,
+                                         seq.num_computed_tokens)
+                if added is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.seq_id in scheduled:
+                    budget += scheduled.pop(victim.seq_id)[1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if added is None:
+                continue
+            scheduled[seq.seq_id] = (seq, num_new, added)
+            budget -= num_new
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        return self._build_plan(scheduled.values())
+
+    def _admit(self, budget: int, scheduled: dict[str, tuple[Sequence, int, list[int]]]) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            hit = self.kv.find_cached_prefix(seq.seq_id, seq.token_ids)
+            num_new = seq.num_tokens - hit.num_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            added = self.kv.allocate(seq.seq_id, seq.token_ids, num_new, hit.num_tokens, hit)
+            if added is None:
+                break
+            self.waiting.pop()
+            seq.status = SeqStatus.RUNNING
+            seq.num_computed_tokens = hit.num_tokens
+            self.running.append(seq)
+            scheduled[seq.seq_id] = (seq, num_new, added)
+            budget -= num_new
+        return budget
+
+    def _build_plan(self, scheduled) -> StepPlan:
+        plan = StepPlan(self._step, forks=self._forks, finished=self._drops)
+        self._step += 1
+        self._forks, self._drops = [], []
+        for seq, n, added in scheduled:
+            if seq.seq_id in self._on_worker:
+                plan.continued.append(ContinuedSequence(seq.seq_id, added, n))
+            else:
+                plan.new.append(NewSequence(
+                    seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
+                    seq.num_computed_tokens, list(self.kv.block_ids(seq.seq_id)), n,
+                    seq.sampling, seq.sample_index))
+                self._on_worker.add(seq.seq_id)
+            seq.num_computed_tokens += n
+        return plan
+
+    def update(self, output: StepOutput) -> list[SeqUpdate]:
+        """Apply a worker's sampled tokens; returns per-sequence progress."""
+        updates: list[SeqUpdate] = []
+        for out in output.outputs:
+            seq = self.seqs.get(out.seq_id)
+            if seq is None:
+                continue  # aborted while the step ran
+            if len(out.token_ids) > 1:
+                updates.extend(self._fork(seq, out))
+            lps = out.logprobs[:1] if out.logprobs else None
+            updates.append(self._append(seq, out.token_ids[0], lps))
+        return updates
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _append(self, seq: Sequence, token: int, logprobs) -> SeqUpdate:
+        seq.token_ids.append(token)
+        reason, stop = self._stop_reason(seq, token)
+        if reason is not None:
+            seq.stop_reason = stop
+            return self._finish(seq, reason, [token], logprobs)
+        return SeqUpdate(seq.request_id, seq.seq_id, seq.sample_index, [token], logprobs)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        sp = seq.sampling
+        grown = seq.num_output_tokens
+        if grown >= sp.min_tokens:
+            if token in self.eos_token_ids and not sp.ignore_eos:
+                return "stop", None
+            if token in sp.stop_token_ids:
+                return "stop", token
+        if (sp.max_tokens is not None and grown >= sp.max_tokens) or \
+                seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _fork(self, parent: Sequence, out: SequenceOutput) -> list[SeqUpdate]:
+        """Split an n > 1 request after its prompt: one child per extra sampled token."""
+        updates = []
+        prompt = parent.token_ids[:parent.num_prompt_tokens]
+        for k, token in enumerate(out.token_ids[1:], start=1):
+            child = Sequence(child_seq_id(parent.request_id, k), parent.request_id,
+                             list(prompt), parent.num_prompt_tokens, parent.sampling,
+                             parent.arrival, parent.priority, sample_index=k)
+            self.seqs[child.seq_id] = child
+            self.requests[parent.request_id].append(child)
+            lps = out.logprobs[k:k + 1] if out.logprobs else None
+            update = self._append(child, token, lps)
+            updates.append(update)
+            if child.is_finished:
+                continue
+            copy = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+            if copy is None:  # no block for the copy: recompute the child later
+                self.waiting.push(child)
+                continue
+            child.status = SeqStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.running.append(child)
+            self._on_worker.add(child.seq_id)
+            self._forks.append(ForkedSequence(child.seq_id, parent.seq_id, k,
+                                              list(self.kv.block_ids(child.seq_id)), token,
+                                              copy[0], copy[1]))
+        return updates
+
+    def _pick_victim(self) -> Sequence:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda s: (s.priority, s.arrival))
+        return self.running[-1]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.reset(seq.seq_id)
+        self._drop_from_worker(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(seq)
+
+    def _finish(self, seq: Sequence, reason: str, tokens: list[int] | None = None,
+                logprobs=None) -> SeqUpdate:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.seq_id)
+        self._drop_from_worker(seq)
+        del self.seqs[seq.seq_id]
+        family = self.requests[seq.request_id]
+        if all(s.is_finished for s in family):
+            del self.requests[seq.request_id]
+        return SeqUpdate(seq.request_id, seq.seq_id, seq.sample_index, tokens or [], logprobs,
+                         reason, seq.stop_reason)
+
+    def _drop_from_worker(self, seq: Sequence) -> None:
+        if seq.seq_id in self._on_worker:
+            self._on_worker.discard(seq.seq_id)
+            self._drops.append(seq.seq_id)

@@ -1,0 +1,34 @@
+"""Settings of the continuous-batching policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class SchedulerConfig:
+    """Per-step limits and queue policy.
+
+    ``max_model_len`` None means the model's own context length (capped by what the
+    KV pool can hold).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: got {v!r}; expected an integer >= 1")
+        if self.max_model_len is not None and (
+                not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len: got {self.max_model_len!r}; "
+                             "expected an integer >= 2 or null for the model's own")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: got {self.policy!r}; allowed: {', '.join(POLICIES)}")

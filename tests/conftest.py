@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random HF checkpoints (the arithmetic oracle) and helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+            pad_token_id=0)
+
+
+@dataclass
+class TinyModel:
+    path: str
+    hf: torch.nn.Module  # the transformers model, fp32, eval mode: the oracle
+
+
+def _hf_config(arch: str):
+    import transformers as tf
+
+    if arch == "llama":
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=False)
+    if arch == "llama3-rope":
+        return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_theta=50000.0,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return tf.Qwen2Config(**TINY, tie_word_embeddings=False, rope_theta=1e6)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+    if arch == "pangu":
+        return tf.LlamaConfig(**TINY, attention_bias=True, tie_word_embeddings=False,
+                              rope_theta=16e6)
+    raise ValueError(arch)
+
+
+def build_tiny(arch: str, directory: Path, seed: int = 0) -> TinyModel:
+    """A random checkpoint of ``arch`` saved as an HF directory, and its HF model.
+
+    ``pangu`` is saved with openPangu-Embedded's config keys (``bias``) but its oracle
+    is HF Llama with ``attention_bias``: the same arithmetic.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = _hf_config(arch)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger biases than the init gives, so they matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(directory, max_shard_size="200KB")
+    if arch == "pangu":
+        cfg_path = directory / "config.json"
+        data = json.loads(cfg_path.read_text())
+        data.pop("attention_bias", None)
+        data.update(architectures=["PanguEmbeddedForCausalLM"], model_type="PanguEmbedded",
+                    bias=True)
+        cfg_path.write_text(json.dumps(data))
+    return TinyModel(str(directory), model)
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory):
+    cache: dict[str, TinyModel] = {}
+
+    def get(arch: str) -> TinyModel:
+        if arch not in cache:
+            cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from workers.loading import default_model_path as find
+
+    return find()

@@ -1,0 +1,206 @@
+"""Executes step plans: the worker's half of continuous batching.
+
+The runner keeps each sequence it holds (tokens, block table, sampling settings)
+between steps, so a plan carries only what changed. One step: apply forks and
+drops, add new sequences, lay the scheduled tokens out as one flat batch (decodes
+first), run the model once, and sample the sequences whose known tokens are now
+all computed. It makes no scheduling decision: it runs what the plan says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvcache.config import CacheConfig
+from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
+from scheduler.protocol import (
+    ForkedSequence,
+    NewSequence,
+    SamplingParams,
+    SequenceOutput,
+    StepOutput,
+    StepPlan,
+    WorkerStats,
+)
+from workers.loading import Checkpoint
+from workers.models.decoder import DecoderLM
+from workers.ops import get_ops
+from workers.ops.base import AttentionMetadata, PrefillSegment
+from workers.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling: SamplingParams
+    sample_index: int = 0
+
+
+@dataclass
+class _Scheduled:
+    seq_id: str
+    state: SeqState
+    num_tokens: int
+
+
+class PlanError(ValueError):
+    """A plan that contradicts the worker's state (unknown sequence, bad counts)."""
+
+
+class ModelRunner:
+    def __init__(self, checkpoint: Checkpoint, cache: CacheConfig, device: torch.device,
+                 max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                 num_blocks: int | None = None) -> None:
+        cfg = checkpoint.config
+        self.config = cfg
+        self.device = device
+        self.block_size = cache.block_size
+        self.ops = get_ops(device)
+        self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype)
+        kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
+        self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
+                                cfg.head_dim, kv_dtype)
+        if num_blocks is None:
+            num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device)
+        self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
+        self.seqs: dict[str, SeqState] = {}
+
+    # ---- plan application --------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepOutput:
+        start = time.perf_counter()
+        self._apply_forks(plan.forks)
+        for seq_id in plan.finished:
+            self.seqs.pop(seq_id, None)
+        scheduled = [self._add(s) for s in plan.new]
+        for c in plan.continued:
+            state = self.seqs.get(c.seq_id)
+            if state is None:
+                raise PlanError(f"plan continues sequence {c.seq_id!r} the worker does not hold")
+            state.block_ids.extend(c.new_block_ids)
+            scheduled.append(_Scheduled(c.seq_id, state, c.num_scheduled_tokens))
+        outputs = self._run(scheduled) if scheduled else []
+        stats = WorkerStats(num_blocks=self.num_blocks, step_time_s=time.perf_counter() - start,
+                            num_tokens=sum(s.num_tokens for s in scheduled),
+                            num_seqs=len(self.seqs))
+        return StepOutput(plan.step_id, outputs, stats)
+
+    def _add(self, s: NewSequence) -> _Scheduled:
+        state = SeqState(list(s.token_ids), s.num_prompt_tokens, s.num_computed_tokens,
+                         list(s.block_ids), s.sampling, s.sample_index)
+        self.seqs[s.seq_id] = state
+        return _Scheduled(s.seq_id, state, s.num_scheduled_tokens)
+
+    def _apply_forks(self, forks: list[ForkedSequence]) -> None:
+        copies = [(f.copy_src, f.copy_dst) for f in forks if f.copy_src >= 0]
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            for kv in self.kv_caches:
+                kv[:, dst] = kv[:, src]
+        for f in forks:
+            parent = self.seqs.get(f.parent_id)
+            if parent is None:
+                raise PlanError(f"fork of {f.seq_id!r} names unknown parent {f.parent_id!r}")
+            self.seqs[f.seq_id] = SeqState(
+                parent.token_ids[:-1] + [f.first_token], parent.num_prompt_tokens,
+                parent.num_computed_tokens, list(f.block_ids), parent.sampling, f.sample_index)
+
+    # ---- one forward pass ----------------------------------------------------------
+    def _run(self, scheduled: list[_Scheduled]) -> list[SequenceOutput]:
+        for s in scheduled:
+            end = s.state.num_computed_tokens + s.num_tokens
+            if s.num_tokens < 1 or end > len(s.state.token_ids):
+                raise PlanError(f"sequence {s.seq_id!r}: cannot run {s.num_tokens} tokens from "
+                                f"{s.state.num_computed_tokens} of {len(s.state.token_ids)}")
+        # Decodes first: the attention op runs them as one batched call.
+        scheduled.sort(key=lambda s: not _is_decode(s))
+        inputs = self._prepare(scheduled)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.meta)
+        done = [i for i, s in enumerate(scheduled)
+                if s.state.num_computed_tokens + s.num_tokens == len(s.state.token_ids)]
+        for s in scheduled:
+            s.state.num_computed_tokens += s.num_tokens
+        if not done:
+            return []
+        logits = self.model.compute_logits(
+            hidden[torch.as_tensor(inputs.last_index[done], device=self.device)])
+        # A request with n > 1 whose prompt just completed samples n tokens from one row.
+        fanout = [st.sampling.n if len(st.token_ids) == st.num_prompt_tokens else 1
+                  for st in (scheduled[i].state for i in done)]
+        rows = [SamplingRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
+                            st.token_ids[st.num_prompt_tokens:], st.sample_index + k)
+                for i, f in zip(done, fanout) for st in [scheduled[i].state] for k in range(f)]
+        if len(rows) != len(done):
+            logits = logits.repeat_interleave(torch.as_tensor(fanout), dim=0)
+        result = self.sampler(logits, rows)
+        outputs: list[SequenceOutput] = []
+        pos = 0
+        for i, f in zip(done, fanout):
+            s = scheduled[i]
+            toks, lps = result.token_ids[pos:pos + f], result.logprobs[pos:pos + f]
+            pos += f
+            s.state.token_ids.append(toks[0])
+            outputs.append(SequenceOutput(s.seq_id, toks, None if lps[0] is None else lps))
+        return outputs
+
+    def _prepare(self, scheduled: list[_Scheduled]) -> _StepInputs:
+        bs, dev = self.block_size, self.device
+        counts = np.array([s.num_tokens for s in scheduled], dtype=np.int64)
+        starts = np.array([s.state.num_computed_tokens for s in scheduled], dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(counts)))
+        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, counts)])
+        tokens = np.concatenate([np.asarray(s.state.token_ids[a:a + n], dtype=np.int64)
+                                 for s, a, n in zip(scheduled, starts, counts)])
+        tables = [np.asarray(s.state.block_ids, dtype=np.int64) for s in scheduled]
+        slots = np.concatenate([slot_mapping(t, positions[offsets[i]:offsets[i + 1]], bs)
+                                for i, t in enumerate(tables)])
+        nd = sum(1 for s in scheduled if _is_decode(s))
+        seq_lens = starts + counts
+        width = int(-(-seq_lens[:nd].max() // bs)) if nd else 1
+        decode_tables = np.zeros((nd, width), dtype=np.int64)
+        for i in range(nd):
+            nb = -(-int(seq_lens[i]) // bs)
+            decode_tables[i, :nb] = tables[i][:nb]
+        prefills = [PrefillSegment(int(offsets[i]), int(counts[i]), int(seq_lens[i]),
+                                   torch.as_tensor(tables[i], device=dev))
+                    for i in range(nd, len(scheduled))]
+        meta = AttentionMetadata(
+            slot_mapping=torch.as_tensor(slots, device=dev),
+            num_decode_tokens=nd,
+            decode_block_tables=torch.as_tensor(decode_tables, device=dev),
+            decode_seq_lens=torch.as_tensor(seq_lens[:nd], device=dev),
+            prefills=prefills, block_size=bs)
+        return _StepInputs(torch.as_tensor(tokens, device=dev),
+                           torch.as_tensor(positions, device=dev), meta, offsets[1:] - 1)
+
+
+def _is_decode(s: _Scheduled) -> bool:
+    return s.num_tokens == 1 and s.state.num_computed_tokens > 0
+
+
+@dataclass
+class _StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    last_index: np.ndarray  # flat index of each scheduled sequence's last token
+
+
+def _kv_budget(cache: CacheConfig, device: torch.device) -> int:
+    if cache.kv_cache_bytes is not None:
+        return cache.kv_cache_bytes
+    if device.type == "cpu":
+        return CacheConfig.DEFAULT_CPU_KV_BYTES
+    free, _ = torch.cuda.mem_get_info(device) if device.type == "cuda" else \
+        torch.npu.mem_get_info(device)  # type: ignore[attr-defined]
+    return int(free * cache.memory_fraction)

@@ -1,0 +1,135 @@
+"""One Llama-family decoder covering every supported architecture.
+
+The switches in ``ModelArchConfig`` (attention biases, per-head q/k RMSNorm, head
+size, tied embeddings, RoPE scaling) are the only differences between Llama,
+SmolLM2, Mistral, Qwen2/2.5, Qwen3 and openPangu-Embedded. Q, K and V projections
+are fused into one matrix and gate/up into another, so a layer is four matmuls.
+Attention, KV writes, norms and rotary go through the ops seam.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from workers.model_config import ModelArchConfig
+from workers.ops.base import AttentionMetadata, Ops
+
+
+def rope_tables(cfg: ModelArchConfig, max_positions: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim/2] in fp32, with the configured scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64)
+                                         .to(torch.float32) / dim))
+    if cfg.rope_type == "linear":
+        inv_freq = inv_freq / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        inv_freq = _llama3_scaled(inv_freq, cfg)
+    pos = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    return freqs.cos().to(device), freqs.sin().to(device)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelArchConfig) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by ``factor``, short ones
+    kept, and a smooth blend between the two thresholds."""
+    factor, lo, hi = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_position
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    return torch.where(medium, blended, scaled)
+
+
+class DecoderLayer:
+    def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+        a, m = prefix + "self_attn.", prefix + "mlp."
+        self.qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
+                                w[a + "v_proj.weight"]])
+        self.qkv_b = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
+                                 w[a + "v_proj.bias"]]) if cfg.qkv_bias else None)
+        self.o_w = w[a + "o_proj.weight"]
+        self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
+        self.q_norm = w[a + "q_norm.weight"] if cfg.qk_norm else None
+        self.k_norm = w[a + "k_norm.weight"] if cfg.qk_norm else None
+        self.in_norm = w[prefix + "input_layernorm.weight"]
+        self.post_norm = w[prefix + "post_attention_layernorm.weight"]
+        self.gate_up_w = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
+        self.down_w = w[m + "down_proj.weight"]
+
+
+class DecoderLM:
+    def __init__(self, cfg: ModelArchConfig, weights: dict[str, torch.Tensor], ops: Ops,
+                 max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        _check_weights(cfg, weights)
+        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        self.cfg = cfg
+        self.ops = ops
+        self.embed = w["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.norm = w["model.norm.weight"]
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        cos, sin = rope_tables(cfg, max_positions, device)
+        self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
+        cfg, ops = self.cfg, self.ops
+        t = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = ops.rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = q.view(t, cfg.num_heads, cfg.head_dim)
+            k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = ops.rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q, k = ops.rotary(q, k, positions, self.cos, self.sin)
+            ops.write_kv(k, v, kv_cache, meta.slot_mapping)
+            o = ops.attention(q, k, v, kv_cache, meta, self.scale)
+            h = h + F.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b)
+            x = ops.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down_w)
+        return ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+def expected_weight_names(cfg: ModelArchConfig) -> set[str]:
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.tie_word_embeddings:
+        names.add("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}self_attn.{n}_proj.weight" for n in "qkvo"}
+        names |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+        if cfg.qkv_bias:
+            names |= {f"{p}self_attn.{n}_proj.bias" for n in "qkv"}
+        if cfg.o_bias:
+            names.add(p + "self_attn.o_proj.bias")
+        if cfg.qk_norm:
+            names |= {p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"}
+    return names
+
+
+def _check_weights(cfg: ModelArchConfig, weights: dict[str, torch.Tensor]) -> None:
+    missing = sorted(expected_weight_names(cfg) - weights.keys())
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint lacks {len(missing)} weights the {cfg.architecture} "
+                         f"config needs: {shown}")

@@ -1,0 +1,57 @@
+"""The ops seam: everything a decoder layer does that depends on the device or the
+KV layout. A model calls only these; a device backend replaces them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    """One sequence's run of query tokens beyond the decodes of a step."""
+
+    query_start: int
+    query_len: int
+    context_len: int          # tokens in the sequence's KV after this step
+    block_table: torch.Tensor  # [num_blocks] int64, enough blocks for context_len
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's tokens live in the paged KV pool.
+
+    The first ``num_decode_tokens`` tokens are single-token decodes, one per sequence,
+    described by the ``decode_*`` tensors; the rest are prefill segments (whole
+    prompts, chunks, or recomputations over a cached prefix).
+    """
+
+    slot_mapping: torch.Tensor          # [T] int64 flat KV slot of every token
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor   # [D, max_blocks] int64
+    decode_seq_lens: torch.Tensor       # [D] int64, context length incl. the new token
+    prefills: list[PrefillSegment]
+    block_size: int
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] (neox halves) by their positions;
+        ``cos``/``sin`` are [max_pos, D/2] tables."""
+        ...
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Causal attention of ``q`` [T, H, D] over each sequence's paged context
+        (its new ``k``/``v`` [T, KVH, D] already written); returns [T, H, D]."""
+        ...

@@ -1,0 +1,92 @@
+"""Reference ops in plain torch: they run on every device and are the oracle that
+device kernels are tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.base import AttentionMetadata
+
+
+class TorchOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = cos[positions].unsqueeze(1)
+        s = sin[positions].unsqueeze(1)
+        return _rotate(q, c, s), _rotate(k, c, s)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        _, nb, bs, kvh, hd = kv_cache.shape
+        kv_cache[0].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        kv_cache[1].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
+        for seg in meta.prefills:
+            s, n = seg.query_start, seg.query_len
+            if seg.context_len == n:
+                ks, vs = k[s:s + n], v[s:s + n]
+            else:
+                ks, vs = _gather(kv_cache, seg.block_table, seg.context_len, q.dtype)
+            out[s:s + n] = _causal_attention(q[s:s + n], ks, vs, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        d, h, hd = q.shape
+        _, _, bs, kvh, _ = kv_cache.shape
+        tables = meta.decode_block_tables
+        length = tables.shape[1] * bs
+        keys = kv_cache[0][tables].view(d, length, kvh, hd).to(q.dtype)
+        values = kv_cache[1][tables].view(d, length, kvh, hd).to(q.dtype)
+        qg = q.view(d, kvh, h // kvh, hd)
+        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [d, kvh, g, L]
+        pad = torch.arange(length, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.matmul(probs, values.transpose(1, 2)).reshape(d, h, hd)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    _, _, bs, kvh, hd = kv_cache.shape
+    nb = -(-length // bs)
+    blocks = block_table[:nb]
+    keys = kv_cache[0][blocks].view(nb * bs, kvh, hd)[:length].to(dtype)
+    values = kv_cache[1][blocks].view(nb * bs, kvh, hd)[:length].to(dtype)
+    return keys, values
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """q [n, H, D] are the last n positions of a context of k/v [L, KVH, D]."""
+    n, length = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    if n == length:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:
+        rows = torch.arange(n, device=q.device)[:, None] + (length - n)
+        mask = torch.arange(length, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o[0].transpose(0, 1)
