@@ -111,3 +111,15 @@ def test_preemption_and_recompute_match_hf(tiny_factory, arch):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(tiny.hf, p, 30)
     assert llm.engine.scheduler.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("block_size", [32, 256])
+def test_other_block_sizes_match_hf(tiny_factory, block_size):
+    tiny = tiny_factory("qwen2")
+    llm = LLM(tiny.path, device="cpu", kv_cache_bytes=8 << 20, block_size=block_size,
+              max_num_batched_tokens=24)
+    spy = spy_on(llm)
+    prompts = prompts_for(2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert_logits_match_hf(tiny.hf, spy, [p + o.outputs[0].token_ids
+                                          for p, o in zip(prompts, outs)])

@@ -1,0 +1,49 @@
+"""YAML configuration: defaults, overrides, and errors that name field and value."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.config import ConfigError, EngineConfig, load_config
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_empty_file_is_the_default(tmp_path):
+    assert load_config(write(tmp_path, "")) == EngineConfig()
+    assert load_config(None).model.path is None
+
+
+def test_sections_override_fields(tmp_path):
+    cfg = load_config(write(tmp_path, "cache:\n  block_size: 32\n  kv_cache_bytes: 1000000\n"
+                                      "scheduler:\n  policy: priority\n  max_num_seqs: 8\n"))
+    assert cfg.cache.block_size == 32 and cfg.scheduler.policy == "priority"
+    assert cfg.scheduler.max_num_seqs == 8 and cfg.model.dtype == "float32"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("cache:\n  block_size: 20\n", "cache.block_size: got 20; allowed: a multiple of 16"),
+    ("cache:\n  block_size: '16'\n", "cache.block_size: got '16'; expected int"),
+    ("cache:\n  blocksize: 16\n", "cache: unknown field(s) 'blocksize'; allowed: block_size"),
+    ("scheduler:\n  policy: lifo\n", "scheduler.policy: got 'lifo'; allowed: fcfs, priority"),
+    ("model:\n  device: tpu\n", "model.device: got 'tpu'; allowed: auto, cpu, cuda, npu"),
+    ("model:\n  dtype: int4\n", "model.dtype: got 'int4'"),
+    ("models: {}\n", "unknown field(s) 'models'"),
+    ("cache: 5\n", "cache: got 5; expected a mapping"),
+    ("scheduler:\n  max_num_seqs: 0\n", "scheduler.max_num_seqs: got 0"),
+])
+def test_errors_name_field_value_and_allowed(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert message in str(e.value)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "cache: [unclosed\n"))
