@@ -21,6 +21,7 @@ import yaml
 from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from workers.device import DEVICES
+from workers.ops import OPS_BACKENDS
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -35,7 +36,8 @@ class ModelConfig:
 
     ``path`` None is the embedded default model; otherwise an HF checkpoint
     directory or a ``.gguf`` file. fp32 is the default because bf16/fp16 matrix
-    products are hundreds of times slower on CPUs.
+    products are hundreds of times slower on CPUs. ``ops`` ``torch`` forces the
+    reference kernels (the oracle) instead of the device's own.
     """
 
     path: str | None = None
@@ -43,12 +45,15 @@ class ModelConfig:
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
+    ops: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: got {self.dtype!r}; allowed: {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ValueError(f"device: got {self.device!r}; allowed: {', '.join(DEVICES)}")
+        if self.ops not in OPS_BACKENDS:
+            raise ValueError(f"ops: got {self.ops!r}; allowed: {', '.join(OPS_BACKENDS)}")
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +41,21 @@ def resolve_max_model_len(requested: int | None, model_max: int, pool_tokens: in
     return min(model_max, pool_tokens)
 
 
+@dataclass
+class StepRecord:
+    """Where one step's time went: the per-step split that benchmarks report."""
+
+    num_seqs: int
+    num_tokens: int
+    schedule_s: float    # building the plan
+    runner_s: float      # the worker's whole step
+    prepare_s: float     # of which input layout
+    forward_s: float     # of which the model
+    sample_s: float      # of which sampling
+    message_s: float     # msgpack encode/decode of plan and output
+    update_s: float      # scheduler update and detokenization
+
+
 class LocalEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
         self.config = config
@@ -54,7 +70,7 @@ class LocalEngine:
         model_max = ckpt.config.max_position_embeddings
         runner = ModelRunner(ckpt, config.cache, device,
                              max_model_len=config.scheduler.max_model_len or model_max,
-                             dtype=dtype, seed=mc.seed)
+                             dtype=dtype, seed=mc.seed, ops=mc.ops)
         self.max_model_len = resolve_max_model_len(
             config.scheduler.max_model_len, model_max, runner.num_blocks * config.cache.block_size)
         self.runner = runner
@@ -65,6 +81,7 @@ class LocalEngine:
             eos |= set(ckpt.tokenizer.eos_token_ids)
         self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos))
         self.outputs = OutputProcessor(ckpt.tokenizer)
+        self.step_records: list[StepRecord] | None = None  # a list records every step
 
     # ---- requests ------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int],
@@ -112,13 +129,23 @@ class LocalEngine:
 
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        t1 = time.perf_counter()
         wire = self.runner.execute(decode(StepPlan, encode(plan)))
         output = decode(StepOutput, encode(wire))
+        t2 = time.perf_counter()
         updates = self.scheduler.update(output)
         results, to_stop = self.outputs.process(updates)
         for seq_id in to_stop:
             self.scheduler.stop_sequence(seq_id)
+        if self.step_records is not None:
+            st = output.stats
+            self.step_records.append(StepRecord(
+                num_seqs=len(plan.new) + len(plan.continued), num_tokens=st.num_tokens,
+                schedule_s=t1 - t0, runner_s=st.step_time_s, prepare_s=st.prepare_s,
+                forward_s=st.forward_s, sample_s=st.sample_s,
+                message_s=(t2 - t1) - st.step_time_s, update_s=time.perf_counter() - t2))
         return results

@@ -205,6 +205,9 @@ class WorkerStats:
     step_time_s: float = 0.0
     num_tokens: int = 0
     num_seqs: int = 0
+    prepare_s: float = 0.0   # laying out the step's inputs
+    forward_s: float = 0.0   # the model, logits included
+    sample_s: float = 0.0
 
 
 @dataclass

@@ -57,12 +57,12 @@ class PlanError(ValueError):
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache: CacheConfig, device: torch.device,
                  max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-                 num_blocks: int | None = None) -> None:
+                 num_blocks: int | None = None, ops: str = "auto") -> None:
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
         self.block_size = cache.block_size
-        self.ops = get_ops(device)
+        self.ops = get_ops(device, ops)
         self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
         self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
@@ -87,10 +87,12 @@ class ModelRunner:
                 raise PlanError(f"plan continues sequence {c.seq_id!r} the worker does not hold")
             state.block_ids.extend(c.new_block_ids)
             scheduled.append(_Scheduled(c.seq_id, state, c.num_scheduled_tokens))
-        outputs = self._run(scheduled) if scheduled else []
+        timing = _Timing()
+        outputs = self._run(scheduled, timing) if scheduled else []
         stats = WorkerStats(num_blocks=self.num_blocks, step_time_s=time.perf_counter() - start,
                             num_tokens=sum(s.num_tokens for s in scheduled),
-                            num_seqs=len(self.seqs))
+                            num_seqs=len(self.seqs), prepare_s=timing.prepare_s,
+                            forward_s=timing.forward_s, sample_s=timing.sample_s)
         return StepOutput(plan.step_id, outputs, stats)
 
     def _add(self, s: NewSequence) -> _Scheduled:
@@ -115,15 +117,18 @@ class ModelRunner:
                 parent.num_computed_tokens, list(f.block_ids), parent.sampling, f.sample_index)
 
     # ---- one forward pass ----------------------------------------------------------
-    def _run(self, scheduled: list[_Scheduled]) -> list[SequenceOutput]:
+    def _run(self, scheduled: list[_Scheduled], timing: _Timing) -> list[SequenceOutput]:
         for s in scheduled:
             end = s.state.num_computed_tokens + s.num_tokens
             if s.num_tokens < 1 or end > len(s.state.token_ids):
                 raise PlanError(f"sequence {s.seq_id!r}: cannot run {s.num_tokens} tokens from "
                                 f"{s.state.num_computed_tokens} of {len(s.state.token_ids)}")
         # Decodes first: the attention op runs them as one batched call.
+        t0 = time.perf_counter()
         scheduled.sort(key=lambda s: not _is_decode(s))
         inputs = self._prepare(scheduled)
+        t1 = time.perf_counter()
+        timing.prepare_s = t1 - t0
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.meta)
         done = [i for i, s in enumerate(scheduled)
@@ -131,9 +136,12 @@ class ModelRunner:
         for s in scheduled:
             s.state.num_computed_tokens += s.num_tokens
         if not done:
+            timing.forward_s = time.perf_counter() - t1
             return []
         logits = self.model.compute_logits(
             hidden[torch.as_tensor(inputs.last_index[done], device=self.device)])
+        t2 = time.perf_counter()
+        timing.forward_s = t2 - t1
         # A request with n > 1 whose prompt just completed samples n tokens from one row.
         fanout = [st.sampling.n if len(st.token_ids) == st.num_prompt_tokens else 1
                   for st in (scheduled[i].state for i in done)]
@@ -151,6 +159,7 @@ class ModelRunner:
             pos += f
             s.state.token_ids.append(toks[0])
             outputs.append(SequenceOutput(s.seq_id, toks, None if lps[0] is None else lps))
+        timing.sample_s = time.perf_counter() - t2
         return outputs
 
     def _prepare(self, scheduled: list[_Scheduled]) -> _StepInputs:
@@ -186,6 +195,13 @@ class ModelRunner:
 
 def _is_decode(s: _Scheduled) -> bool:
     return s.num_tokens == 1 and s.state.num_computed_tokens > 0
+
+
+@dataclass
+class _Timing:
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
 
 
 @dataclass

@@ -66,10 +66,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("budget", [2048, 24], ids=["whole-prefill", "chunked-prefill"])
-def test_mixed_batch_matches_hf(tiny_factory, arch, budget):
+@pytest.mark.parametrize("ops", ["auto", "torch"], ids=["device-ops", "reference-ops"])
+def test_mixed_batch_matches_hf(tiny_factory, arch, budget, ops):
     tiny = tiny_factory(arch)
     llm = LLM(tiny.path, device="cpu", kv_cache_bytes=4 << 20,
-              max_num_batched_tokens=budget)
+              max_num_batched_tokens=budget, ops=ops)
+    assert llm.engine.runner.ops.name == ("cpu" if ops == "auto" else "torch")
     spy = spy_on(llm)
     prompts = prompts_for(0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)

@@ -1,4 +1,5 @@
-"""Reference ops against a dense, loop-by-hand oracle on random paged layouts."""
+"""Ops (the torch reference and the compiled CPU kernels) against a dense,
+loop-by-hand oracle on random paged layouts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from workers.ops import AttentionMetadata, PrefillSegment, TorchOps
+from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
 
 KVH, H, D = 2, 6, 16
 
@@ -26,28 +28,37 @@ def dense_attention(q, keys, values, scale):
     return out
 
 
-def scatter_sequences(lengths, block_size, num_blocks, seed):
+def all_ops():
+    """Every ops implementation this machine can run; the CPU kernels must build here."""
+    problem = load_cpu_kernels()
+    assert problem is None, f"CPU kernels failed to build: {problem}"
+    return [TorchOps(), CpuOps()]
+
+
+def scatter_sequences(lengths, block_size, num_blocks, seed, dtype=torch.float32):
     """Random contexts written into randomly chosen, non-contiguous blocks."""
     g = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, num_blocks, block_size, KVH, D, generator=g)
+    cache = torch.randn(2, num_blocks, block_size, KVH, D, generator=g).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables, contexts = [], []
     for length in lengths:
         nb = math.ceil(length / block_size)
         table = torch.tensor([free.pop() for _ in range(nb)])
-        flat = cache[:, table].reshape(2, nb * block_size, KVH, D)[:, :length]
+        flat = cache[:, table].reshape(2, nb * block_size, KVH, D)[:, :length].float()
         tables.append(table)
         contexts.append((flat[0].clone(), flat[1].clone()))
     return cache, tables, contexts
 
 
-@pytest.mark.parametrize("block_size", [16, 32, 256])
-def test_paged_decode_and_prefill_match_dense(block_size):
-    ops = TorchOps()
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+@pytest.mark.parametrize(("block_size", "kv_dtype"), [
+    (16, torch.float32), (32, torch.float32), (256, torch.float32),
+    (16, torch.float16), (32, torch.bfloat16)])
+def test_paged_decode_and_prefill_match_dense(ops, block_size, kv_dtype):
     scale = D ** -0.5
     decode_lens, prefill = [1, 37, 300], [(20, 20), (9, 130)]  # (query_len, context_len)
     cache, tables, ctx = scatter_sequences(decode_lens + [c for _, c in prefill], block_size,
-                                           num_blocks=64, seed=block_size)
+                                           num_blocks=64, seed=block_size, dtype=kv_dtype)
     g = torch.Generator().manual_seed(1)
     n_tokens = len(decode_lens) + sum(q for q, _ in prefill)
     q = torch.randn(n_tokens, H, D, generator=g)
