@@ -1,0 +1,149 @@
+"""KV handoff prefill -> decode: Arrow KV batch through the Ray object store vs memcpy vs pickle.
+
+For the default model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64,
+block size 16), one sequence's blocks (scattered block ids, as in a used pool) go:
+
+- arrow+ray: export_blocks -> ray.put -> ray.get (same process, zero-copy read) ->
+  import_blocks, checksum and all checks included;
+- pickle: gather per-layer tensors -> pickle.dumps -> pickle.loads -> index_copy_ into
+  the pool;
+- memcpy: one torch copy_ of the same number of bytes between two preallocated
+  contiguous tensors, the bandwidth ceiling of any copy on this machine.
+
+The Arrow path passes over the payload about six times (first touch of a fresh buffer,
+gather, checksum, into the object store, checksum, scatter), so about 1/6 of memcpy
+bandwidth is its ceiling here; pickle about five (gather, dumps, loads with a fresh
+buffer, scatter) with no integrity check. Each figure is the median of
+--repeats runs (more for short sequences, which are noisier) after one warm-up run.
+
+    python benchmarks/kv_handoff.py [--tokens 512 2048 8192 16384] [--repeats 3] [--threads N]
+                                    [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import statistics
+import time
+from collections.abc import Callable
+
+import ray
+import torch
+
+from kvcache.kv_tensors import KVShape, allocate_kv_cache
+from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
+
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def median_time(repeats: int, fn: Callable[..., object], *args: object) -> float:
+    """Median of ``repeats`` timed calls after one untimed warm-up call."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def arrow_ray(src, dst, src_ids, dst_ids, meta, phases: dict[str, list[float]]) -> None:
+    marks = [time.perf_counter()]
+    batch = export_blocks(src, src_ids, [None] * len(src_ids), [BLOCK_SIZE] * len(src_ids),
+                          meta)
+    marks.append(time.perf_counter())
+    ref = ray.put(batch)
+    del batch
+    marks.append(time.perf_counter())
+    received = ray.get(ref)
+    marks.append(time.perf_counter())
+    import_blocks(received, dst, dst_ids, meta)
+    marks.append(time.perf_counter())
+    for name, a, b in zip(("export", "put", "get", "import"), marks, marks[1:]):
+        phases[name].append(b - a)
+
+
+def pickled(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+    payload = pickle.dumps([kv.index_select(1, src_ids) for kv in src])
+    for kv, blocks in zip(dst, pickle.loads(payload), strict=True):
+        kv.index_copy_(1, dst_ids, blocks)
+
+
+def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
+    shape = KVShape(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPES[dtype_name])
+    meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
+    pool_blocks = max(token_counts) // BLOCK_SIZE + 64
+    src = allocate_kv_cache(shape, pool_blocks, torch.device("cpu"))
+    dst = allocate_kv_cache(shape, pool_blocks, torch.device("cpu"))
+    for kv in src:
+        kv.normal_()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for tokens in token_counts:
+        n = tokens // BLOCK_SIZE
+        reps = max(repeats, 8192 // tokens)
+        src_ids = torch.randperm(pool_blocks, generator=g)[:n]
+        dst_ids = torch.randperm(pool_blocks, generator=g)[:n]
+        nbytes = n * shape.bytes_per_block
+        a = torch.empty(nbytes // shape.dtype.itemsize, dtype=shape.dtype).normal_()
+        b = torch.empty_like(a)
+        memcpy_s = median_time(reps, b.copy_, a)
+        del a, b
+        phases: dict[str, list[float]] = {"export": [], "put": [], "get": [], "import": []}
+        ids_list, dst_list = src_ids.tolist(), dst_ids.tolist()
+        arrow_s = median_time(reps, arrow_ray, src, dst, ids_list, dst_list, meta, phases)
+        assert all(torch.equal(d[:, dst_ids], s[:, src_ids]) for d, s in zip(dst, src))
+        pickle_s = median_time(reps, pickled, src, dst, src_ids, dst_ids)
+        row = {"dtype": dtype_name, "tokens": tokens, "blocks": n, "bytes": nbytes,
+               "MB": nbytes / 1e6,
+               "memcpy_s": memcpy_s, "arrow_ray_s": arrow_s, "pickle_s": pickle_s}
+        row |= {f"arrow_{k}_s": statistics.median(v[1:]) for k, v in phases.items()}
+        for path in ("memcpy", "arrow_ray", "pickle"):
+            row[f"{path}_GBps"] = nbytes / row[f"{path}_s"] / 1e9
+        row["arrow_ray_frac_memcpy"] = row["arrow_ray_GBps"] / row["memcpy_GBps"]
+        row["pickle_frac_memcpy"] = row["pickle_GBps"] / row["memcpy_GBps"]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| dtype | tokens | MB | memcpy GB/s | arrow+ray s | GB/s | of memcpy "
+             "| export / put / get / import ms | pickle s | GB/s | of memcpy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        phases = " / ".join(f"{1e3 * r[f'arrow_{k}_s']:.1f}"
+                            for k in ("export", "put", "get", "import"))
+        lines.append(
+            f"| {r['dtype']} | {r['tokens']} | {r['MB']:.1f} | {r['memcpy_GBps']:.2f} "
+            f"| {r['arrow_ray_s']:.3f} | {r['arrow_ray_GBps']:.2f} "
+            f"| {r['arrow_ray_frac_memcpy']:.0%} | {phases} "
+            f"| {r['pickle_s']:.3f} | {r['pickle_GBps']:.2f} | {r['pickle_frac_memcpy']:.0%} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="torch threads; 1 is steadier on a machine shared with other work")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        rows = [row for d in args.dtypes for row in run(d, args.tokens, args.repeats)]
+    finally:
+        ray.shutdown()
+    if args.json:
+        print(json.dumps({"torch_threads": args.threads, "rows": rows}, indent=2))
+    else:
+        print(f"torch threads: {args.threads}, median of >= {args.repeats} runs\n")
+        print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
