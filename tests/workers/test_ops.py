@@ -114,3 +114,26 @@ def test_rms_norm_and_rotary_match_formulas():
             assert rq[i, 0, j].item() == pytest.approx(a * c - b * s, abs=1e-5)
             assert rq[i, 0, j + D // 2].item() == pytest.approx(b * c + a * s, abs=1e-5)
     assert rk.shape == k.shape
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_decode_kernel_head_sizes_match_reference(head_dim, kv_dtype):
+    """The kernel's compiled-size paths (vector dot, in-register sums, its own exp)
+    against the reference decode, with lengths that end mid-block and scores spread
+    wide enough that the softmax is far from uniform."""
+    assert load_cpu_kernels() is None
+    g = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size, kv_heads, heads = 40, 16, 2, 8
+    cache = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 3
+             ).to(kv_dtype)
+    lens = torch.tensor([1, 17, 300, 333, 16])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    meta = AttentionMetadata(torch.zeros(len(lens), dtype=torch.long), len(lens), tables, lens,
+                             [], block_size)
+    scale = head_dim ** -0.5
+    got = CpuOps().attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
+    want = TorchOps().attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

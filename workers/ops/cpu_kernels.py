@@ -10,6 +10,7 @@ directory; when that is impossible the engine keeps the reference path and says 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -37,7 +38,9 @@ def load_cpu_kernels() -> str | None:
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        build_dir = cache_root() / "torch_ext" / f"torch-{torch.__version__}"
+        # Keyed by the source too: checkouts with different kernels share one cache.
+        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+        build_dir = cache_root() / "torch_ext" / f"torch-{torch.__version__}-{digest}"
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="llm_cluster_cpu_kernels", sources=[str(_SOURCE)],
