@@ -33,6 +33,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    # benchmarks/ lives in the repository, not in the installed package: import it only here.
+    try:
+        from benchmarks.offline import main as bench_offline
+    except ModuleNotFoundError as e:
+        if e.name not in ("benchmarks", "benchmarks.offline"):
+            raise
+        print("error: the benchmarks package is not importable; run `python -m cluster bench "
+              "offline` from the repository root", file=sys.stderr)
+        return 2
+    return bench_offline(args.bench_args, prog="python -m cluster bench offline")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m cluster",
@@ -51,11 +64,24 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as plain text, without the chat template")
     _add_common(gen)
     gen.set_defaults(func=_cmd_generate)
+    bench = sub.add_parser("bench", help="run a benchmark (from the repository root)",
+                           description="Benchmarks in benchmarks/; run from the repository root.")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    offline = bench_sub.add_parser(
+        "offline", add_help=False, help="offline throughput against HF transformers and "
+        "llama.cpp, the roofline, memory and a concurrency sweep (--help for its options)")
+    offline.set_defaults(func=_cmd_bench_offline, log_level="WARNING")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # `bench offline` hands everything after it to the benchmark's own parser.
+    args, rest = parser.parse_known_args(argv)
+    if args.func is _cmd_bench_offline:
+        args.bench_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

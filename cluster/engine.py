@@ -47,6 +47,7 @@ class StepRecord:
 
     num_seqs: int
     num_tokens: int
+    num_sampled: int     # sequences that sampled a token (logit rows)
     schedule_s: float    # building the plan
     runner_s: float      # the worker's whole step
     prepare_s: float     # of which input layout
@@ -145,7 +146,7 @@ class LocalEngine:
             st = output.stats
             self.step_records.append(StepRecord(
                 num_seqs=len(plan.new) + len(plan.continued), num_tokens=st.num_tokens,
-                schedule_s=t1 - t0, runner_s=st.step_time_s, prepare_s=st.prepare_s,
-                forward_s=st.forward_s, sample_s=st.sample_s,
+                num_sampled=len(output.outputs), schedule_s=t1 - t0, runner_s=st.step_time_s,
+                prepare_s=st.prepare_s, forward_s=st.forward_s, sample_s=st.sample_s,
                 message_s=(t2 - t1) - st.step_time_s, update_s=time.perf_counter() - t2))
         return results

@@ -5,6 +5,8 @@ Each peer runs in a fresh interpreter so that its peak RSS is its own (model, KV
 runtime) and not whatever the previous peer or the calling benchmark left resident.
 
     result = run_isolated("hf_static", prompts, max_tokens, concurrency=16)
+    result = run_isolated("engine", prompts, max_tokens, 64,
+                          options={"enable_prefix_caching": False})
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import resource
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-PEERS = ("hf_static", "hf_continuous", "llama_cpp")
+PEERS = ("engine", "hf_static", "hf_continuous", "llama_cpp")
 # Peers pin their thread count so they compete on the same cores as the engine.
 NUM_THREADS = 2
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +38,7 @@ class PeerResult:
     elapsed_s: float  # generation only: model load and warmup excluded
     peak_rss_bytes: int  # of the peer's whole process, model load included
     notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # peer-specific figures (JSON-able)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -94,8 +98,11 @@ def peer_available(module_name: str) -> tuple[bool, str]:
 
 
 def run_isolated(module_name: str, prompts: list[list[int]], max_tokens: list[int],
-                 concurrency: int | None, timeout_s: float | None = None) -> PeerResult:
+                 concurrency: int | None, timeout_s: float | None = None,
+                 options: dict[str, Any] | None = None) -> PeerResult:
     """Run ``benchmarks.peers.<module_name>.run`` in a fresh Python process.
+
+    ``options`` are extra keyword arguments of that ``run`` (JSON-able values).
 
     The workload goes in and the result comes back as JSON files, so nothing a peer
     prints (progress bars, native library logs) can corrupt the exchange.
@@ -106,7 +113,8 @@ def run_isolated(module_name: str, prompts: list[list[int]], max_tokens: list[in
         workload_path, result_path = Path(tmp) / "workload.json", Path(tmp) / "result.json"
         Workload(prompts, max_tokens).save(workload_path)
         args = [sys.executable, "-m", "benchmarks.peers.common", module_name, str(workload_path),
-                str(result_path), "" if concurrency is None else str(concurrency)]
+                str(result_path), "" if concurrency is None else str(concurrency),
+                json.dumps(options or {})]
         proc = subprocess.run(args, cwd=_REPO_ROOT, capture_output=True, text=True,
                               timeout=timeout_s, check=False)
         if proc.returncode != 0 or not result_path.is_file():
@@ -118,11 +126,11 @@ def run_isolated(module_name: str, prompts: list[list[int]], max_tokens: list[in
 
 def _child_main(argv: list[str]) -> None:
     """Entry point of the isolated process: run one peer, write its result as JSON."""
-    module_name, workload_path, result_path, concurrency = argv
+    module_name, workload_path, result_path, concurrency, options = argv
     peer = importlib.import_module(f"benchmarks.peers.{module_name}")
     workload = Workload.load(Path(workload_path))
     result = peer.run(workload.prompts, workload.max_tokens,
-                      int(concurrency) if concurrency else None)
+                      int(concurrency) if concurrency else None, **json.loads(options))
     Path(result_path).write_text(json.dumps(asdict(result)), encoding="utf-8")
 
 
