@@ -219,6 +219,7 @@ class GlobalScheduler:
                 "mean_step_s": t.total_s / steps, "mean_execute_s": t.execute_s / steps,
                 "mean_plan_s": t.plan_s / steps, "mean_rpc_s": t.rpc_s / steps,
                 "mean_update_s": t.update_s / steps,
+                "step_times": asdict(t),   # sums, for windows: subtract two snapshots
                 "prefix_hit_rate": w.kv.stats.hit_rate,
                 "kv_sent": asdict(w.sent), "kv_received": asdict(w.received),
             })
