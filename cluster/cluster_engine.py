@@ -10,6 +10,7 @@ the scheduler streams token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -24,7 +25,7 @@ from cluster.config import EngineConfig, WorkerPoolConfig
 from cluster.engine import resolve_max_model_len, tokenize_prompt
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput
-from scheduler.global_scheduler import GlobalScheduler, NoWorkersError, WorkerRef
+from scheduler.global_scheduler import GlobalScheduler, WorkerRef
 from scheduler.protocol import SamplingParams
 from scheduler.sequence import SeqUpdate
 from workers.loading import Checkpoint, load_checkpoint
@@ -176,14 +177,14 @@ class ClusterEngine:
             ray.kill(actor)
 
     # ---- internals -------------------------------------------------------------------
-    def _absorb(self, news: dict[str, tuple[list[SeqUpdate], bool, str | None]],
+    def _absorb(self, news: dict[str, tuple[list[SeqUpdate], bool, Exception | None]],
                 pending: bool = True) -> list[RequestOutput]:
         updates: list[SeqUpdate] = []
         for rid, (ups, done, error) in news.items():
             if error is not None:
                 self._pending.discard(rid)
                 self.outputs.requests.pop(rid, None)
-                raise NoWorkersError(f"request {rid}: {error}")
+                raise error
             updates.extend(ups)
             if done and pending:
                 self._pending.discard(rid)
@@ -201,8 +202,8 @@ def _launch(spec: WorkerSpec, pool: WorkerPoolConfig) -> Any:
                                "num_gpus": resources.pop("GPU", 0), "max_restarts": 0}
     if resources:
         options["resources"] = resources
-    spec = WorkerSpec(**{**spec.__dict__, "num_threads": pool.threads})
-    return ray.remote(Worker).options(**options).remote(spec, pool.role)
+    return ray.remote(Worker).options(**options).remote(
+        dataclasses.replace(spec, num_threads=pool.threads), pool.role)
 
 
 def _get(ref: Any) -> Any:

@@ -108,7 +108,7 @@ class _Request:
     worker: _Worker | None   # None while its KV is being handed over
     updates: list[SeqUpdate] = field(default_factory=list)
     done: bool = False
-    error: str | None = None
+    error: Exception | None = None   # raised to the caller instead of an output
 
 
 class GlobalScheduler:
@@ -164,17 +164,18 @@ class GlobalScheduler:
 
     async def get_updates(self, request_ids: list[str],
                           timeout_s: float = 1.0) -> dict[str, tuple[list[SeqUpdate], bool,
-                                                                      str | None]]:
+                                                                      Exception | None]]:
         """Wait until one of the requests has news (or the timeout); returns, per request
-        with news, (token updates since the last call, finished, error). A finished
-        request is forgotten once returned."""
+        with news, (token updates since the last call, finished, the error that ended
+        it). A finished request is forgotten once returned."""
         deadline = time.monotonic() + timeout_s
         while True:
             ready = {}
             for rid in request_ids:
                 req = self.requests.get(rid)
                 if req is None:
-                    ready[rid] = ([], True, f"unknown request id {rid!r}")
+                    ready[rid] = ([], True, KeyError(f"unknown request id {rid!r}: never "
+                                                     "submitted, or already finished"))
                 elif req.updates or req.done:
                     ready[rid] = (req.updates, req.done, req.error)
                     req.updates = []
@@ -320,8 +321,8 @@ class GlobalScheduler:
         if target is None:
             req.worker = None
             req.done = True
-            req.error = ("no live worker is left in this cluster to run the request; "
-                         "restart the cluster")
+            req.error = NoWorkersError("no live worker is left in this cluster to run the "
+                                       "request; restart the cluster")
             self._notify()
             return
         target.batch.adopt(seq, computed=False)
@@ -341,7 +342,9 @@ class GlobalScheduler:
         if not any(x.alive for x in self.workers):
             for req in self.requests.values():
                 if not req.done:
-                    req.done, req.error = True, "every worker of this cluster is lost"
+                    req.done = True
+                    req.error = NoWorkersError("every worker of this cluster is lost; "
+                                               "restart the cluster")
             self._notify()
 
     # ---- KV handoff ------------------------------------------------------------------

@@ -127,6 +127,17 @@ def test_greedy_outputs_equal_the_one_process_engine(tiny_factory, make_cluster,
         assert all(n > 0 for n in decode_steps)
 
 
+def test_seeded_sampling_with_penalties_survives_the_handoff(tiny_factory, make_cluster):
+    """Seeded draws depend on (seed, position) and penalties on the prompt/output split:
+    both must carry over to the decode worker unchanged."""
+    model = tiny_factory("llama").path
+    prompts = _prompts(8, seed=9)
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, repetition_penalty=1.3,
+                        frequency_penalty=0.5, max_tokens=20, ignore_eos=True)
+    engine = make_cluster(model, "1p1d")
+    assert _run(engine, prompts, sp) == _local(model, prompts, sp)
+
+
 def test_llm_api_runs_on_the_cluster_config(tiny_factory, ray_instance):
     model = tiny_factory("llama").path
     prompts = _prompts(4, seed=3)
