@@ -383,7 +383,7 @@ class GlobalScheduler:
             log.warning("KV transfer of %s from %s to %s took over %.1f s: abandoned, "
                         "recomputing", seq.seq_id, src.ref.worker_id, dst.ref.worker_id,
                         self.transfer_timeout_s)
-        except (RayActorError, RayTaskError) as e:
+        except Exception as e:   # refused (KVTransferError), a lost actor, anything else
             log.warning("KV transfer of %s from %s to %s failed (%s): recomputing",
                         seq.seq_id, src.ref.worker_id, dst.ref.worker_id, e)
             await self._check_alive(dst)
