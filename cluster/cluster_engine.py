@@ -59,47 +59,54 @@ class ClusterEngine:
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
                           config.cache, config.scheduler.max_model_len, 1)
         self.workers: dict[str, Any] = {}
+        try:
+            refs = self._start_workers(spec)
+            self.scheduler = self._start_scheduler(refs)
+        except BaseException:
+            self._kill_workers()
+            raise
+        ray.get(self.scheduler.start.remote())
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._pending: set[str] = set()
+        self._ids = itertools.count()
+
+    def _start_workers(self, spec: WorkerSpec) -> list[WorkerRef]:
+        """Launch every pool's actors; wait until each has loaded the model and sized its
+        pool; settle the context length on the smallest pool."""
         roles: dict[str, str] = {}
         per_role: Counter[str] = Counter()
-        for pool in cc.pools:
+        for pool in self.config.cluster.pools:
             for _ in range(pool.count):
                 worker_id = f"{pool.role}-{per_role[pool.role]}"
                 per_role[pool.role] += 1
                 self.workers[worker_id] = _launch(spec, pool)
                 roles[worker_id] = pool.role
-        try:
-            infos: list[WorkerInfo] = ray.get([w.info.remote() for w in self.workers.values()])
-        except BaseException:
-            self._kill_workers()
-            raise
+        infos: list[WorkerInfo] = ray.get([w.info.remote() for w in self.workers.values()])
         fingerprints = {i.fingerprint for i in infos}
         if len(fingerprints) != 1:
-            self._kill_workers()
             raise RuntimeError(f"workers loaded different models ({sorted(fingerprints)}); "
                                "every worker must see the same checkpoint files")
-        block_size = config.cache.block_size
         self.max_model_len = resolve_max_model_len(
-            config.scheduler.max_model_len, infos[0].model_max_len,
-            min(i.num_blocks for i in infos) * block_size)
-        worker_refs = [WorkerRef(wid, roles[wid], actor, info.num_blocks)
-                       for (wid, actor), info in zip(self.workers.items(), infos)]
-        actor_cls = ray.remote(GlobalScheduler)
+            self.config.scheduler.max_model_len, infos[0].model_max_len,
+            min(i.num_blocks for i in infos) * self.config.cache.block_size)
+        self._eos_token_ids = infos[0].eos_token_ids
+        return [WorkerRef(wid, roles[wid], actor, info.num_blocks)
+                for (wid, actor), info in zip(self.workers.items(), infos)]
+
+    def _start_scheduler(self, refs: list[WorkerRef]) -> Any:
+        """The global scheduler as a named, detached async actor."""
+        cc, cfg = self.config.cluster, self.config
         try:
-            self.scheduler = actor_cls.options(
-                name=scheduler_name(cc.name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                max_concurrency=10_000).remote(
-                worker_refs, config.scheduler, block_size, config.cache.enable_prefix_caching,
-                self.max_model_len, infos[0].eos_token_ids, cc.prefill_threshold,
+            return ray.remote(GlobalScheduler).options(
+                name=scheduler_name(cc.name), namespace=NAMESPACE, lifetime="detached",
+                num_cpus=0, max_concurrency=10_000).remote(
+                refs, cfg.scheduler, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
                 cc.max_waiting, cc.transfer_timeout_s)
         except ValueError as e:
-            self._kill_workers()
             raise ValueError(f"cluster.name: a scheduler named {scheduler_name(cc.name)!r} "
                              "already runs on this Ray instance; shut it down or pick "
                              "another cluster.name") from e
-        ray.get(self.scheduler.start.remote())
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._pending: set[str] = set()
-        self._ids = itertools.count()
 
     # ---- LocalEngine's interface -----------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int],

@@ -291,3 +291,16 @@ def test_generate_stream_yields_growing_outputs(tiny_factory, make_cluster):
     assert seen[-1] == _local(model, [prompt])[0]
     assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:]))
     assert len(seen) > 1
+
+
+def test_a_second_scheduler_of_the_same_name_and_n_above_one_are_refused(tiny_factory,
+                                                                         make_cluster):
+    model = tiny_factory("llama").path
+    engine = make_cluster(model, "mixed")
+    config = _config(model, LAYOUTS["mixed"])
+    config.cluster.name = engine.config.cluster.name
+    with pytest.raises(ValueError, match="cluster.name: a scheduler named 'llm-scheduler-test"):
+        ClusterEngine(config)
+    with pytest.raises(ValueError, match="n: got 2; the cluster runs n=1 only"):
+        engine.add_request("x", None, [5, 6, 7], SamplingParams(n=2))
+    assert engine.stats()["num_requests"] == 0
