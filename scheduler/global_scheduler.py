@@ -421,8 +421,7 @@ class GlobalScheduler:
         size_ref, batch_ref = src.ref.actor.export_kv.options(num_returns=2).remote(
             src_blocks, block_hashes, counts)
         await size_ref   # the export is done; the batch stays in the object store
-        nbytes, _ = await dst.ref.actor.import_kv.remote(batch_ref, fresh)
-        return nbytes
+        return await dst.ref.actor.import_kv.remote(batch_ref, fresh)
 
     async def _check_alive(self, w: _Worker) -> None:
         try:

@@ -10,8 +10,6 @@ the scheduler decides what it runs.
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -23,8 +21,6 @@ from scheduler.protocol import StepPlan, decode, encode
 from workers.device import resolve_device
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
-
-log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "mixed")
 
@@ -89,14 +85,13 @@ class Worker:
                               self.meta)
         return batch.nbytes, batch
 
-    def import_kv(self, batch: pa.RecordBatch, block_ids: list[int]) -> tuple[int, float]:
-        """Check a KV batch and scatter it into ``block_ids``; returns (bytes, seconds).
+    def import_kv(self, batch: pa.RecordBatch, block_ids: list[int]) -> int:
+        """Check a KV batch and scatter it into ``block_ids``; returns its payload size.
 
         Raises ``KVTransferError`` (pool untouched) when the batch does not fit this pool.
         """
-        start = time.perf_counter()
         import_blocks(batch, self.runner.kv_caches, block_ids, self.meta)
-        return batch.nbytes, time.perf_counter() - start
+        return batch.nbytes
 
     def ping(self) -> str:
         return self.role
