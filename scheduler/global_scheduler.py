@@ -60,9 +60,13 @@ class WorkerRef:
 
 @dataclass
 class TransferStats:
+    """KV handoffs of one worker; ``seconds`` from the first token to the receiver's
+    acknowledgement, of which ``export_seconds`` until the sender's batch was ready."""
+
     count: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    export_seconds: float = 0.0
     failures: int = 0
 
 
@@ -351,7 +355,9 @@ class GlobalScheduler:
     def _start_handoff(self, src: _Worker, seq: Sequence) -> None:
         """Move a prefilled sequence to the decode worker with the most free blocks.
 
-        Without a live decode worker with room, the sequence decodes where it is.
+        Without a live decode worker with room, the sequence decodes where it is. The
+        export is submitted here, before the source's next step, so it never waits
+        behind another prefill.
         """
         targets = [w for w in self.workers
                    if w.alive and w is not src and w.role in ("decode", "mixed")]
@@ -361,23 +367,39 @@ class GlobalScheduler:
         reserved = dst.kv.reserve(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         if reserved is None:
             return
+        cached, fresh = reserved
         src.batch.detach(seq.seq_id)
         self.requests[seq.request_id].worker = None
-        self._spawn(self._hand_off(src, dst, seq, *reserved))
+        export = self._export(src, seq, len(cached), len(fresh)) if fresh else None
+        self._spawn(self._hand_off(src, dst, seq, fresh, export))
 
-    async def _hand_off(self, src: _Worker, dst: _Worker, seq: Sequence,
-                        cached: list[int], fresh: list[int]) -> None:
+    def _export(self, src: _Worker, seq: Sequence, first: int, count: int) -> Any:
+        """Submit the export of ``count`` blocks from block ``first`` on: (size, batch) refs."""
+        blocks = src.kv.block_ids(seq.seq_id)[first:first + count]
+        hashes = src.kv.block_hashes(seq.seq_id)
+        n = seq.num_computed_tokens
+        counts = [min(self.block_size, n - i * self.block_size)
+                  for i in range(first, first + count)]
+        block_hashes = [hashes[i] if c == self.block_size and i < len(hashes) else None
+                        for i, c in zip(range(first, first + count), counts)]
+        return src.ref.actor.export_kv.options(num_returns=2).remote(blocks, block_hashes,
+                                                                     counts)
+
+    async def _hand_off(self, src: _Worker, dst: _Worker, seq: Sequence, fresh: list[int],
+                        export: Any) -> None:
         start = time.perf_counter()
         ok = False
         try:
             if fresh:
-                nbytes = await asyncio.wait_for(self._transfer(src, dst, seq, cached, fresh),
-                                                self.transfer_timeout_s)
+                size_ref, batch_ref = export
+                nbytes, exported = await asyncio.wait_for(
+                    self._import(dst, fresh, size_ref, batch_ref), self.transfer_timeout_s)
                 elapsed = time.perf_counter() - start
                 for stats in (src.sent, dst.received):
                     stats.count += 1
                     stats.bytes += nbytes
                     stats.seconds += elapsed
+                    stats.export_seconds += exported - start
             ok = True
         except asyncio.TimeoutError:
             log.warning("KV transfer of %s from %s to %s took over %.1f s: abandoned, "
@@ -407,21 +429,14 @@ class GlobalScheduler:
             self._recompute(seq, dst if dst.alive else None)
         dst.wake.set()
 
-    async def _transfer(self, src: _Worker, dst: _Worker, seq: Sequence, cached: list[int],
-                        fresh: list[int]) -> int:
-        """Export the blocks after ``cached`` from ``src``, import them into ``fresh``."""
-        first = len(cached)
-        src_blocks = src.kv.block_ids(seq.seq_id)[first:first + len(fresh)]
-        hashes = src.kv.block_hashes(seq.seq_id)
-        n = seq.num_computed_tokens
-        counts = [min(self.block_size, n - i * self.block_size)
-                  for i in range(first, first + len(fresh))]
-        block_hashes = [hashes[i] if c == self.block_size and i < len(hashes) else None
-                        for i, c in zip(range(first, first + len(fresh)), counts)]
-        size_ref, batch_ref = src.ref.actor.export_kv.options(num_returns=2).remote(
-            src_blocks, block_hashes, counts)
-        await size_ref   # the export is done; the batch stays in the object store
-        return await dst.ref.actor.import_kv.remote(batch_ref, fresh)
+    @staticmethod
+    async def _import(dst: _Worker, fresh: list[int], size_ref: Any,
+                      batch_ref: Any) -> tuple[int, float]:
+        """Once the export is done, import its batch (still in the object store) into
+        ``fresh``; returns (bytes, when the export was done)."""
+        await size_ref
+        exported = time.perf_counter()
+        return await dst.ref.actor.import_kv.remote(batch_ref, fresh), exported
 
     async def _check_alive(self, w: _Worker) -> None:
         try:
