@@ -260,6 +260,8 @@ class GlobalScheduler:
             except (RayActorError, RayTaskError) as e:
                 self._lose(w, e)
                 return
+            if not w.alive:   # declared lost meanwhile: its sequences run elsewhere now
+                return
             t2 = time.perf_counter()
             output = decode(StepOutput, reply)
             updates = w.batch.update(output)
