@@ -54,3 +54,39 @@ def test_greedy_chat_equals_the_one_process_engine(ray_instance, expected, layou
     assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs] == expected
     if layout != "mixed":   # the long chat prompts went through a KV handoff
         assert sum(w["kv_sent"]["count"] for w in stats["workers"]) >= 4
+
+
+@pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
+def test_killed_worker_mid_run_changes_no_text(ray_instance, expected, victim):
+    """1 prefill + 1 decode on the default model; one worker is killed after the third
+    streamed output. The survivor takes over (mixed fallback) and every answer equals
+    the one-process engine's."""
+    import ray
+
+    config = _cluster_config(f"default-kill-{victim}",
+                             [{"role": "prefill", "resources": {"CPU": 0.5}},
+                              {"role": "decode", "resources": {"CPU": 0.5}}])
+    config.scheduler.max_num_batched_tokens = 64   # prefills span many steps
+    llm = LLM(config=config)
+    engine = llm.engine
+    tok = llm.get_tokenizer()
+    try:
+        ids = []
+        for i, conv in enumerate(_conversations()):
+            text = tok.apply_chat_template(conv, add_generation_prompt=True)
+            _, tokens = engine.tokenize_prompt(text, add_special_tokens=False)
+            engine.add_request(f"k{i}", text, tokens, GREEDY, stream=True)
+            ids.append(f"k{i}")
+        done, seen = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                seen += 1
+                if seen == 3:
+                    ray.kill(engine.workers[victim])
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].text, out.outputs[0].token_ids)
+        stats = engine.stats()
+    finally:
+        llm.shutdown()
+    assert [done[r] for r in ids] == expected
+    assert stats["num_recovered"] > 0
