@@ -125,6 +125,13 @@ def test_greedy_outputs_equal_the_one_process_engine(tiny_factory, make_cluster,
         assert all(w["kv_sent"]["failures"] == 0 for w in stats["workers"])
         decode_steps = [w["num_steps"] for w in stats["workers"] if w["role"] == "decode"]
         assert all(n > 0 for n in decode_steps)
+        received = sum(w["kv_received"]["bytes"] for w in stats["workers"])
+        assert received == sum(w["kv_sent"]["bytes"] for w in stats["workers"]) > 0
+    for w in stats["workers"]:   # the figures metrics and autoscaling read
+        assert w["alive"] and w["num_free_blocks"] == w["num_blocks"] > 0
+        assert (w["num_running"], w["num_waiting"]) == (0, 0)
+        assert w["num_steps"] > 0 and w["mean_step_s"] >= w["mean_execute_s"] > 0
+        assert 0.0 <= w["prefix_hit_rate"] <= 1.0
 
 
 def test_seeded_sampling_with_penalties_survives_the_handoff(tiny_factory, make_cluster):
