@@ -38,6 +38,7 @@ from scheduler.sequence import SeqStatus, Sequence, SeqUpdate
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.5  # an idle loop re-plans (and pings its worker) at least this often
+_PING_TIMEOUT_S = 30.0
 
 
 class OverloadedError(RuntimeError):
@@ -441,10 +442,15 @@ class GlobalScheduler:
         return await dst.ref.actor.import_kv.remote(batch_ref, fresh), exported
 
     async def _check_alive(self, w: _Worker) -> None:
+        """Ping a worker; only Ray's word that the actor died makes it lost (a slow
+        answer may just be queued behind a long KV import)."""
         try:
-            await asyncio.wait_for(w.ref.actor.ping.remote(), self.transfer_timeout_s)
-        except (RayActorError, asyncio.TimeoutError) as e:
+            await asyncio.wait_for(w.ref.actor.ping.remote(), _PING_TIMEOUT_S)
+        except RayActorError as e:
             self._lose(w, e)
+        except asyncio.TimeoutError:
+            log.warning("worker %s did not answer a ping within %.0f s", w.ref.worker_id,
+                        _PING_TIMEOUT_S)
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -280,6 +280,7 @@ def test_timed_out_transfers_are_abandoned_and_recomputed(tiny_factory, make_clu
     assert _run(engine, prompts) == _local(model, prompts)
     stats = _wait_idle(engine)
     prefill, decode = stats["workers"]
+    assert prefill["alive"] and decode["alive"]
     assert prefill["kv_sent"]["failures"] == len(prompts)
     assert decode["kv_received"]["count"] == 0
     _assert_pools_empty(stats)
