@@ -174,6 +174,11 @@ def test_decode_prefix_cache_receives_only_the_missing_blocks(tiny_factory, make
     decode = stats["workers"][1]
     assert decode["prefix_hit_rate"] > 0
     _assert_pools_empty(stats)
+    # The first prompt again: the decode side holds all of it, nothing travels.
+    assert _run(engine, [first]) == _local(model, [first])
+    stats = _wait_idle(engine)
+    assert stats["workers"][0]["kv_sent"]["bytes"] == sent_first + sent_second
+    _assert_pools_empty(stats)
 
 
 @pytest.mark.slow
