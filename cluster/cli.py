@@ -25,10 +25,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, config=args.config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
-    if args.raw:
-        out = llm.generate(args.prompt, params)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    try:
+        if args.raw:
+            out = llm.generate(args.prompt, params)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    finally:
+        llm.shutdown()   # a cluster config's scheduler actor is detached
     print(out.outputs[0].text.strip())
     return 0
 

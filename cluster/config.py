@@ -22,6 +22,7 @@ from kvcache.config import CacheConfig
 from scheduler.config import SchedulerConfig
 from workers.device import DEVICES
 from workers.ops import OPS_BACKENDS
+from workers.worker import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -57,10 +58,75 @@ class ModelConfig:
 
 
 @dataclass
+class WorkerPoolConfig:
+    """``count`` worker actors of one role, each with ``resources`` from Ray.
+
+    ``resources``: what one worker takes, e.g. ``{CPU: 1}``, ``{GPU: 1}`` or
+    ``{NPU: 1}``, so Ray places one per device. ``num_threads``: torch threads per
+    worker; None follows the worker's CPU share (at least 1).
+    """
+
+    role: str = "mixed"
+    count: int = 1
+    resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: got {self.role!r}; allowed: {', '.join(ROLES)}")
+        if self.count < 1:
+            raise ValueError(f"count: got {self.count}; expected an integer >= 1")
+        for name, amount in self.resources.items():
+            if amount <= 0:
+                raise ValueError(f"resources: got {name}: {amount}; amounts must be > 0")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads: got {self.num_threads}; expected an integer >= 1 "
+                             "or null for the CPU share")
+
+    @property
+    def threads(self) -> int:
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, int(self.resources.get("CPU", 1)))
+
+
+@dataclass
+class ClusterConfig:
+    """The Ray cluster. No ``pools``: the one-process engine, no Ray at all.
+
+    ``address``: a Ray cluster to join (None: start or reuse a local instance).
+    ``name``: the global scheduler's actor name is ``llm-scheduler-<name>``.
+    ``prefill_threshold``: prompts with fewer tokens are prefilled on a decode worker.
+    ``max_waiting``: requests queued (not yet running) before submissions are refused
+    as overloaded. ``transfer_timeout_s``: a KV handoff slower than this is abandoned
+    and the sequence recomputed.
+    """
+
+    name: str = "default"
+    address: str | None = None
+    pools: list[WorkerPoolConfig] = field(default_factory=list)
+    prefill_threshold: int = 0
+    max_waiting: int = 1024
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"name: got {self.name!r}; expected letters, digits, - and _")
+        if self.prefill_threshold < 0:
+            raise ValueError(f"prefill_threshold: got {self.prefill_threshold}; expected >= 0")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting: got {self.max_waiting}; expected >= 1")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s: got {self.transfer_timeout_s}; "
+                             "expected > 0 seconds")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def load_config(path: str | Path | None) -> EngineConfig:
@@ -109,6 +175,18 @@ def _build(cls: type, data: Any, where: str) -> Any:
 
 
 def _check_type(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: got {value!r}; expected a list")
+        return [_build(item, v, f"{path}[{i}]") if dataclasses.is_dataclass(item)
+                else _check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, item = typing.get_args(tp)
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{path}: got {value!r}; expected a mapping of names to values")
+        return {k: _check_type(v, item, f"{path}.{k}") for k, v in value.items()}
     allowed = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
         else (tp,)
     if value is None and type(None) in allowed:

@@ -24,6 +24,7 @@ from scheduler.protocol import SamplingParams, StepOutput, StepPlan, decode, enc
 from workers.device import resolve_device
 from workers.loading import Checkpoint, load_checkpoint
 from workers.model_runner import ModelRunner
+from workers.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,34 @@ def resolve_max_model_len(requested: int | None, model_max: int, pool_tokens: in
                              f"{pool_tokens} tokens; raise cache.kv_cache_bytes or lower it")
         return requested
     return min(model_max, pool_tokens)
+
+
+def tokenize_prompt(tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                    prompt: str | Sequence[int],
+                    add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+    """Validate a prompt (text or token ids) and return (text, token ids).
+
+    Chat-templated text already holds its special tokens: pass
+    ``add_special_tokens=False`` for it, as HF does."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is empty; give at least one character or token")
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompt_token_ids instead "
+                             "of text")
+        text, ids = prompt, tokenizer.encode(prompt, add_special_tokens)
+    else:
+        text, ids = None, [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("prompt is empty; give at least one character or token")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is "
+                         f"{max_model_len}; shorten the prompt to at most "
+                         f"{max_model_len - 1} tokens")
+    return text, ids
 
 
 @dataclass
@@ -87,30 +116,8 @@ class LocalEngine:
     # ---- requests ------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int],
                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
-        """Validate a prompt (text or token ids) and return (text, token ids).
-
-        Chat-templated text already holds its special tokens: pass
-        ``add_special_tokens=False`` for it, as HF does."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty; give at least one character or token")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompt_token_ids instead "
-                                 "of text")
-            text, ids = prompt, self.tokenizer.encode(prompt, add_special_tokens)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("prompt is empty; give at least one character or token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len}; shorten the prompt to at most "
-                             f"{self.max_model_len - 1} tokens")
-        return text, ids
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                               prompt, add_special_tokens)
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, stream: bool = False) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cluster.cluster_engine import ClusterEngine
 from cluster.config import EngineConfig, config_from_dict, load_config
 from cluster.engine import LocalEngine
 from cluster.outputs import RequestOutput
@@ -58,8 +59,14 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.config = _with_overrides(base, kwargs)
-        self.engine = LocalEngine(self.config)
+        self.engine: LocalEngine | ClusterEngine = (
+            ClusterEngine(self.config) if self.config.cluster.pools else LocalEngine(self.config))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the cluster's actors (a no-op for the one-process engine)."""
+        if isinstance(self.engine, ClusterEngine):
+            self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
@@ -152,7 +159,7 @@ def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
 
 def _with_overrides(base: EngineConfig, kwargs: dict[str, Any]) -> EngineConfig:
     data = {name: dataclasses.asdict(getattr(base, name))
-            for name in ("model", "cache", "scheduler")}
+            for name in ("model", "cache", "scheduler", "cluster")}
     for key, value in kwargs.items():
         section, fieldname = _OVERRIDES[key]
         data[section][fieldname] = value

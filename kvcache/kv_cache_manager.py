@@ -96,6 +96,37 @@ class KVCacheManager:
         self._cache_full_blocks(entry, token_ids, num_computed_tokens + num_new_tokens)
         return added
 
+    def reserve(self, seq_id: str, token_ids: Sequence[int],
+                num_tokens: int) -> tuple[list[int], list[int]] | None:
+        """Blocks for a sequence whose first ``num_tokens`` tokens of KV come from another
+        pool: (leading blocks this pool's prefix cache already holds, fresh blocks to
+        receive the rest). The fresh blocks enter the prefix cache only at ``commit``,
+        once their KV has arrived. None when the pool is short (nothing changed).
+        """
+        hit = self.find_cached_prefix(seq_id, token_ids[:num_tokens + 1])
+        need = self.num_blocks_needed(num_tokens) - len(hit.block_ids)
+        reusable = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        if need > self.pool.num_free_blocks - reusable:
+            self._seqs.pop(seq_id, None)
+            return None
+        self.stats.queried_tokens += num_tokens
+        self.stats.hit_tokens += hit.num_tokens
+        self.pool.share(hit.block_ids)
+        fresh = self.pool.allocate(need) or []
+        entry = self._entry(seq_id)
+        entry.block_ids = hit.block_ids + fresh
+        entry.num_cached = len(hit.block_ids)
+        return hit.block_ids, fresh
+
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Register the full blocks of a ``reserve``d sequence, now that their KV is here."""
+        self._cache_full_blocks(self._seqs[seq_id], token_ids, num_tokens)
+
+    def block_hashes(self, seq_id: str) -> list[BlockHash]:
+        """Chained hashes of the sequence's full blocks known so far."""
+        s = self._seqs.get(seq_id)
+        return list(s.hashes) if s else []
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
         """Give ``child_id`` the parent's first ``num_tokens`` tokens of KV.
 

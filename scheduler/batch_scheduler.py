@@ -81,6 +81,41 @@ class BatchScheduler:
         if seq is not None:
             self._finish(seq, "stop")
 
+    def detach(self, seq_id: str) -> Sequence:
+        """Take a running sequence out of this scheduler but keep its blocks allocated.
+
+        Its KV is being handed to another pool; the caller frees the blocks
+        (``kv.free``) once the receiver has it.
+        """
+        seq = self.seqs.pop(seq_id)
+        self.running.remove(seq)
+        self._drop_from_worker(seq)
+        family = self.requests[seq.request_id]
+        family.remove(seq)
+        if not family:
+            del self.requests[seq.request_id]
+        return seq
+
+    def adopt(self, seq: Sequence, computed: bool) -> None:
+        """Take over a sequence from another scheduler (a handoff or a lost worker).
+
+        ``computed``: its first ``num_computed_tokens`` tokens of KV already sit in
+        blocks this pool reserved for it (``kv.reserve``), so it runs at once;
+        otherwise it is recomputed from its prompt plus the tokens it produced.
+        """
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        seq.arrival = next(self._arrivals)
+        self.seqs[seq.seq_id] = seq
+        self.requests[seq.request_id] = [seq]
+        if computed:
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            seq.num_computed_tokens = 0
+            self.waiting.push(seq)
+
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 

@@ -47,3 +47,35 @@ def test_missing_and_malformed_files(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "cache: [unclosed\n"))
+
+
+def test_cluster_section_and_presets():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "cpu-1p1d.yaml")
+    assert [(p.role, p.count, p.resources, p.threads) for p in cfg.cluster.pools] == \
+        [("prefill", 1, {"CPU": 1.0}, 1), ("decode", 1, {"CPU": 1.0}, 1)]
+    assert cfg.cluster.prefill_threshold == 32
+    mixed = load_config(root / "configs" / "cpu-mixed.yaml")
+    assert [(p.role, p.threads) for p in mixed.cluster.pools] == [("mixed", 2)]
+    assert EngineConfig().cluster.pools == []   # no pools: the one-process engine
+
+
+@pytest.mark.parametrize("text,message", [
+    ("cluster:\n  pools: [{role: verify}]\n",
+     "cluster.pools[0].role: got 'verify'; allowed: prefill, decode, mixed"),
+    ("cluster:\n  pools: [{role: decode, count: 0}]\n", "cluster.pools[0].count: got 0"),
+    ("cluster:\n  pools: [{resources: {NPU: 0}}]\n",
+     "cluster.pools[0].resources: got NPU: 0.0; amounts must be > 0"),
+    ("cluster:\n  pools: [{resources: {CPU: many}}]\n",
+     "cluster.pools[0].resources.CPU: got 'many'; expected float"),
+    ("cluster:\n  pools: {role: decode}\n", "cluster.pools: got {'role': 'decode'}; "
+                                           "expected a list"),
+    ("cluster:\n  max_waiting: 0\n", "cluster.max_waiting: got 0; expected >= 1"),
+    ("cluster:\n  name: 'a b'\n", "cluster.name: got 'a b'"),
+])
+def test_cluster_errors_name_field_value_and_allowed(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert message in str(e.value)

@@ -232,3 +232,56 @@ def test_prompt_length_and_duplicate_ids_are_rejected():
     sched.add("a", [3], SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
         sched.add("a", [3], SamplingParams())
+
+
+def test_detach_and_adopt_move_sequences_between_pools_without_changing_text():
+    """Disaggregation in miniature: every sequence prefills on ``a``; after its first
+    token it moves to ``b`` (blocks reserved there, freed on ``a`` after), or, every
+    third one, is recomputed on ``b`` as after a lost worker."""
+    reqs = workload(3, 20)
+    ref_sched, ref_worker = make(400)
+    submit(ref_sched, reqs)
+    expected = run_all(ref_sched, ref_worker)
+
+    a, wa = make(200)
+    b, wb = make(400)
+    submit(a, reqs)
+    out: dict[str, list[int]] = {}
+    moved = 0
+    while a.has_unfinished() or b.has_unfinished():
+        for sched, worker in ((a, wa), (b, wb)):
+            for u in sched.update(worker.execute(sched.schedule())):
+                out.setdefault(u.seq_id, []).extend(u.new_token_ids)
+                if sched is a and u.finish_reason is None:
+                    seq = a.seqs[u.seq_id]
+                    n = seq.num_computed_tokens
+                    reserved = b.kv.reserve(seq.seq_id, seq.token_ids, n)
+                    assert reserved is not None
+                    a.detach(seq.seq_id)
+                    recompute = moved % 3 == 2
+                    if recompute:
+                        b.kv.free(seq.seq_id)
+                    else:
+                        b.kv.commit(seq.seq_id, seq.token_ids, n)
+                    a.kv.free(seq.seq_id)
+                    b.adopt(seq, computed=not recompute)
+                    moved += 1
+    assert out == expected
+    assert moved > 0
+    assert a.kv.pool.num_used_blocks == 0 and b.kv.pool.num_used_blocks == 0
+
+
+def test_reserve_reuses_cached_leading_blocks_and_caches_only_on_commit():
+    kv = KVCacheManager(16, BS)
+    tokens = list(range(3, 3 + 50))          # 3 full blocks + 2 tokens
+    cached, fresh = kv.reserve("x", tokens + [7], 50)
+    assert (len(cached), len(fresh)) == (0, 4)
+    probe = kv.find_cached_prefix("probe", tokens + [9])
+    assert probe.num_tokens == 0             # not committed: nothing served from it
+    kv.commit("x", tokens + [7], 50)
+    kv.free("x")
+    cached, fresh = kv.reserve("y", tokens[:40] + [1] * 20 + [7], 60)
+    assert (len(cached), len(fresh)) == (2, 2)
+    assert kv.stats.hit_tokens == 32
+    assert kv.reserve("z", list(range(400)), 399) is None   # 25 blocks > 16: no change
+    assert kv.pool.num_used_blocks == 4

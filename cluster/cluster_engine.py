@@ -1,0 +1,233 @@
+"""The engine behind ``LLM`` when the configuration names worker pools: a Ray cluster.
+
+It starts (or joins) a Ray instance, launches the worker actors of every pool with
+their resources, and the global scheduler as a named, detached actor; then it offers
+``LocalEngine``'s interface (``add_request`` / ``step`` / ``abort_request``) for the
+offline API and ``generate_stream``, an async generator of outputs for the HTTP router.
+Tokenization and detokenization (stop strings included) stay on the caller's side:
+the scheduler streams token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import RayTaskError
+
+from cluster.config import EngineConfig, WorkerPoolConfig
+from cluster.engine import resolve_max_model_len, tokenize_prompt
+from cluster.output_processor import OutputProcessor
+from cluster.outputs import RequestOutput
+from scheduler.global_scheduler import GlobalScheduler, WorkerRef
+from scheduler.protocol import SamplingParams
+from scheduler.sequence import SeqUpdate
+from workers.loading import Checkpoint, load_checkpoint
+from workers.worker import Worker, WorkerInfo, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 1.0  # a long-poll for outputs returns at least this often
+NAMESPACE = "llm-cluster"  # where the named schedulers live, whatever the driver's namespace
+
+
+def scheduler_name(cluster_name: str) -> str:
+    return f"llm-scheduler-{cluster_name}"
+
+
+class ClusterEngine:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+        cc = config.cluster
+        if not cc.pools:
+            raise ValueError("cluster.pools: got none; name at least one worker pool to run "
+                             "on Ray, or use the one-process engine")
+        self.config = config
+        if not ray.is_initialized():
+            ray.init(address=cc.address, include_dashboard=False, log_to_driver=True)
+        mc = config.model
+        # The driver needs the tokenizer and the model's shape; cached weights are mmapped.
+        ckpt = checkpoint or load_checkpoint(mc.path, dtype=getattr(torch, mc.dtype),
+                                             tokenizer=mc.tokenizer)
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
+                          config.cache, config.scheduler.max_model_len, 1)
+        self.workers: dict[str, Any] = {}
+        try:
+            refs = self._start_workers(spec)
+            self.scheduler = self._start_scheduler(refs)
+        except BaseException:
+            self._kill_workers()
+            raise
+        ray.get(self.scheduler.start.remote())
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._pending: set[str] = set()
+        self._ids = itertools.count()
+
+    def _start_workers(self, spec: WorkerSpec) -> list[WorkerRef]:
+        """Launch every pool's actors; wait until each has loaded the model and sized its
+        pool; settle the context length on the smallest pool."""
+        roles: dict[str, str] = {}
+        per_role: Counter[str] = Counter()
+        for pool in self.config.cluster.pools:
+            for _ in range(pool.count):
+                worker_id = f"{pool.role}-{per_role[pool.role]}"
+                per_role[pool.role] += 1
+                self.workers[worker_id] = _launch(spec, pool)
+                roles[worker_id] = pool.role
+        infos: list[WorkerInfo] = ray.get([w.info.remote() for w in self.workers.values()])
+        fingerprints = {i.fingerprint for i in infos}
+        if len(fingerprints) != 1:
+            raise RuntimeError(f"workers loaded different models ({sorted(fingerprints)}); "
+                               "every worker must see the same checkpoint files")
+        self.max_model_len = resolve_max_model_len(
+            self.config.scheduler.max_model_len, infos[0].model_max_len,
+            min(i.num_blocks for i in infos) * self.config.cache.block_size)
+        self._eos_token_ids = infos[0].eos_token_ids
+        return [WorkerRef(wid, roles[wid], actor, info.num_blocks)
+                for (wid, actor), info in zip(self.workers.items(), infos)]
+
+    def _start_scheduler(self, refs: list[WorkerRef]) -> Any:
+        """The global scheduler as a named, detached async actor."""
+        cc, cfg = self.config.cluster, self.config
+        try:
+            return ray.remote(GlobalScheduler).options(
+                name=scheduler_name(cc.name), namespace=NAMESPACE, lifetime="detached",
+                num_cpus=0, max_concurrency=10_000).remote(
+                refs, cfg.scheduler, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
+                cc.max_waiting, cc.transfer_timeout_s)
+        except ValueError as e:
+            raise ValueError(f"cluster.name: a scheduler named {scheduler_name(cc.name)!r} "
+                             "already runs on this Ray instance; shut it down or pick "
+                             "another cluster.name") from e
+
+    # ---- LocalEngine's interface -----------------------------------------------------
+    def tokenize_prompt(self, prompt: str | Sequence[int],
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
+                               prompt, add_special_tokens)
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0, stream: bool = False) -> None:
+        """Submit a request; raises ``OverloadedError`` at once when the queue is full."""
+        self.outputs.add(request_id, prompt, prompt_token_ids, params, stream)
+        try:
+            _get(self.scheduler.submit.remote(request_id, prompt_token_ids, params, priority))
+        except BaseException:
+            self.outputs.requests.pop(request_id, None)
+            raise
+        self._pending.add(request_id)
+
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        self._pending.discard(request_id)
+        outputs, _ = self.outputs.process(_get(self.scheduler.abort.remote(request_id)))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Wait (up to a second) for news of the pending requests and return their outputs."""
+        if not self._pending:
+            return []
+        news = _get(self.scheduler.get_updates.remote(sorted(self._pending), _POLL_S))
+        return self._absorb(news)
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduler's per-worker figures (see ``GlobalScheduler.stats``)."""
+        return _get(self.scheduler.stats.remote())
+
+    # ---- streaming -------------------------------------------------------------------
+    async def generate_stream(self, prompt_token_ids: list[int], params: SamplingParams,
+                              prompt: str | None = None, request_id: str | None = None,
+                              priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit one request and yield its output as tokens arrive; the last one is
+        finished. Closing the generator early aborts the request."""
+        rid = request_id or f"stream-{next(self._ids)}"
+        self.outputs.add(rid, prompt, prompt_token_ids, params, stream=True)
+        try:
+            await _aget(self.scheduler.submit.remote(rid, prompt_token_ids, params, priority))
+        except BaseException:
+            self.outputs.requests.pop(rid, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                news = await _aget(self.scheduler.get_updates.remote([rid], _POLL_S))
+                for out in self._absorb(news, pending=False):
+                    finished = out.finished
+                    yield out
+        finally:
+            if not finished:
+                self.outputs.requests.pop(rid, None)
+                await _aget(self.scheduler.abort.remote(rid))
+
+    # ---- shutdown --------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the scheduler and the workers (the scheduler is detached: it would
+        outlive this process otherwise)."""
+        try:
+            ray.get(self.scheduler.shutdown.remote(), timeout=10)
+        finally:
+            ray.kill(self.scheduler)
+            self._kill_workers()
+
+    def _kill_workers(self) -> None:
+        for actor in self.workers.values():
+            ray.kill(actor)
+
+    # ---- internals -------------------------------------------------------------------
+    def _absorb(self, news: dict[str, tuple[list[SeqUpdate], bool, Exception | None]],
+                pending: bool = True) -> list[RequestOutput]:
+        updates: list[SeqUpdate] = []
+        for rid, (ups, done, error) in news.items():
+            if error is not None:
+                self._pending.discard(rid)
+                self.outputs.requests.pop(rid, None)
+                raise error
+            updates.extend(ups)
+            if done and pending:
+                self._pending.discard(rid)
+        results, to_stop = self.outputs.process(updates)
+        for seq_id in to_stop:   # a stop string matched: the scheduler stops it too
+            self._pending.discard(seq_id)   # n=1 on the cluster: seq id == request id
+            _get(self.scheduler.abort.remote(seq_id))
+        return results
+
+
+def _launch(spec: WorkerSpec, pool: WorkerPoolConfig) -> Any:
+    """One worker actor with the pool's resources and torch threads."""
+    resources = dict(pool.resources)
+    options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0),
+                               "num_gpus": resources.pop("GPU", 0), "max_restarts": 0}
+    if resources:
+        options["resources"] = resources
+    return ray.remote(Worker).options(**options).remote(
+        dataclasses.replace(spec, num_threads=pool.threads), pool.role)
+
+
+def _get(ref: Any) -> Any:
+    """``ray.get``, raising the remote error itself (e.g. ``OverloadedError``)."""
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        raise _cause(e) from None
+
+
+async def _aget(ref: Any) -> Any:
+    try:
+        return await ref
+    except RayTaskError as e:
+        raise _cause(e) from None
+
+
+def _cause(e: RayTaskError) -> BaseException:
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, Exception) else e

@@ -1,0 +1,69 @@
+"""The worker behind the Ray actor, in one process: steps over msgpack, and a KV handoff
+between two workers that continues the sequence exactly where the sender would have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.config import CacheConfig
+from kvcache.kv_transfer import KVTransferError
+from scheduler.protocol import (
+    ContinuedSequence,
+    NewSequence,
+    SamplingParams,
+    StepOutput,
+    StepPlan,
+    decode,
+    encode,
+)
+from workers.worker import Worker, WorkerSpec
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+PROMPT = list(range(5, 45))   # 40 tokens: 2 full blocks and 8 tokens
+
+
+def _worker(path: str, role: str = "mixed", kv_dtype: str = "auto") -> Worker:
+    cache = CacheConfig(kv_cache_bytes=1 << 20, kv_dtype=kv_dtype)
+    return Worker(WorkerSpec(path, None, "float32", "cpu", 0, "torch", cache, None, 1), role)
+
+
+def _step(worker: Worker, plan: StepPlan) -> list[int]:
+    out = decode(StepOutput, worker.step(encode(plan)))
+    return [t for o in out.outputs for t in o.token_ids]
+
+
+def test_handoff_between_workers_continues_bit_exact(tiny_factory):
+    path = tiny_factory("llama").path
+    prefill, decode_w = _worker(path, "prefill"), _worker(path, "decode")
+    first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
+                                                         GREEDY)]))
+    size, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
+    nbytes = decode_w.import_kv(batch, [7, 3, 9])
+    assert nbytes == size > 0
+    for src, dst in zip(prefill.runner.kv_caches, decode_w.runner.kv_caches):
+        assert torch.equal(src[:, [0, 1, 2]], dst[:, [7, 3, 9]])
+    # The decode worker's next token equals the prefill worker's own continuation.
+    here = _step(prefill, StepPlan(1, continued=[ContinuedSequence("s", [], 1)]))
+    there = _step(decode_w, StepPlan(0, new=[NewSequence("s", PROMPT + first, 40, 40,
+                                                          [7, 3, 9], 1, GREEDY)]))
+    assert here == there
+
+
+@pytest.mark.parametrize("other", ["kv_dtype", "model"])
+def test_a_batch_for_another_pool_is_refused_untouched(tiny_factory, other):
+    path = tiny_factory("llama").path
+    sender = _worker(path)
+    receiver = (_worker(path, kv_dtype="float16") if other == "kv_dtype"
+                else _worker(tiny_factory("qwen2").path))
+    _step(sender, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40, GREEDY)]))
+    _, batch = sender.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
+    before = [kv.clone() for kv in receiver.runner.kv_caches]
+    with pytest.raises(KVTransferError, match="dtype" if other == "kv_dtype" else "fingerprint"):
+        receiver.import_kv(batch, [0, 1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(before, receiver.runner.kv_caches))
+
+
+def test_unknown_role_is_refused(tiny_factory):
+    with pytest.raises(ValueError, match="role: got 'verifier'; allowed: prefill, decode, mixed"):
+        _worker(tiny_factory("llama").path, "verifier")

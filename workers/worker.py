@@ -1,0 +1,97 @@
+"""The worker behind a Ray actor: one model runner and one paged KV pool on one device.
+
+A worker makes no decision. It runs the step plans the global scheduler sends
+(msgpack bytes in, msgpack bytes out) and, for a KV handoff, exports blocks of its
+pool as an Arrow KV batch or scatters a received batch into its pool. The class is
+plain Python so that it also runs in one process; ``cluster`` makes it an actor with
+the resources its pool asks for. Its role (prefill, decode, mixed) only labels it:
+the scheduler decides what it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from kvcache.config import CacheConfig
+from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
+from scheduler.protocol import StepPlan, decode, encode
+from workers.device import resolve_device
+from workers.loading import load_checkpoint
+from workers.model_runner import ModelRunner
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+@dataclass
+class WorkerSpec:
+    """What a worker loads and how it sizes itself; plain values, so it crosses processes."""
+
+    model_path: str | None
+    tokenizer: str | None
+    dtype: str
+    device: str
+    seed: int
+    ops: str
+    cache: CacheConfig
+    max_model_len: int | None
+    num_threads: int
+
+
+@dataclass
+class WorkerInfo:
+    """What the scheduler needs to know about a worker's pool and model."""
+
+    num_blocks: int
+    block_size: int
+    model_max_len: int
+    fingerprint: str
+    eos_token_ids: list[int]
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, role: str) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role: got {role!r}; allowed: {', '.join(ROLES)}")
+        torch.set_num_threads(spec.num_threads)
+        self.role = role
+        dtype = getattr(torch, spec.dtype)
+        ckpt = load_checkpoint(spec.model_path, dtype=dtype, tokenizer=spec.tokenizer)
+        model_max = ckpt.config.max_position_embeddings
+        self.runner = ModelRunner(ckpt, spec.cache, resolve_device(spec.device),
+                                  max_model_len=spec.max_model_len or model_max, dtype=dtype,
+                                  seed=spec.seed, ops=spec.ops)
+        self.meta = KVLayoutMeta.from_shape(self.runner.kv_shape, ckpt.fingerprint)
+        eos = set(ckpt.config.eos_token_ids)
+        if ckpt.tokenizer is not None:
+            eos |= set(ckpt.tokenizer.eos_token_ids)
+        self.info_ = WorkerInfo(self.runner.num_blocks, spec.cache.block_size, model_max,
+                                ckpt.fingerprint, sorted(eos))
+
+    def info(self) -> WorkerInfo:
+        return self.info_
+
+    def step(self, plan: bytes) -> bytes:
+        """Run one step plan (msgpack ``StepPlan``); returns the msgpack ``StepOutput``."""
+        return encode(self.runner.execute(decode(StepPlan, plan)))
+
+    def export_kv(self, block_ids: list[int], block_hashes: list[bytes | None],
+                  token_counts: list[int]) -> tuple[int, pa.RecordBatch]:
+        """The blocks as one KV batch, and its payload size. Called with two returns, so
+        the scheduler learns the export is done without fetching the batch."""
+        batch = export_blocks(self.runner.kv_caches, block_ids, block_hashes, token_counts,
+                              self.meta)
+        return batch.nbytes, batch
+
+    def import_kv(self, batch: pa.RecordBatch, block_ids: list[int]) -> int:
+        """Check a KV batch and scatter it into ``block_ids``; returns its payload size.
+
+        Raises ``KVTransferError`` (pool untouched) when the batch does not fit this pool.
+        """
+        import_blocks(batch, self.runner.kv_caches, block_ids, self.meta)
+        return batch.nbytes
+
+    def ping(self) -> str:
+        return self.role
