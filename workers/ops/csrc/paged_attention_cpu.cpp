@@ -188,30 +188,31 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         const float* src = qp + (s * num_heads + h * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qs[g * head_dim + i] = src[i] * fscale;
       }
-      // Scores, one block of keys at a time.
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
-        int64_t stride;
-        const float* keys = block_rows(kp + table[start / block_size] * block_stride +
-                                       h * head_dim, n, token_stride, head_dim, rows.data(),
-                                       &stride);
+      // Visit the context a block at a time: use(start, n, rows, stride) gets the block's
+      // n rows of this head as fp32 (in place, or widened into `rows`).
+      auto each_block = [&](const T* cache, auto&& use) {
+        for (int64_t start = 0; start < len; start += block_size) {
+          const int64_t n = std::min(block_size, len - start);
+          int64_t stride;
+          const float* block = block_rows(cache + table[start / block_size] * block_stride +
+                                          h * head_dim, n, token_stride, head_dim, rows.data(),
+                                          &stride);
+          use(start, n, block, stride);
+        }
+      };
+      each_block(kp, [&](int64_t start, int64_t n, const float* keys, int64_t stride) {
         for (int64_t g = 0; g < group; ++g)
           block_scores<D>(qs.data() + g * head_dim, keys, stride, n,
                           scores.data() + g * len + start, head_dim);
-      }
+      });
       for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * len, len);
-      // Weighted values, one block at a time, into fp32 accumulators.
+      // Weighted values into fp32 accumulators.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
-        int64_t stride;
-        const float* values = block_rows(vp + table[start / block_size] * block_stride +
-                                         h * head_dim, n, token_stride, head_dim, rows.data(),
-                                         &stride);
+      each_block(vp, [&](int64_t start, int64_t n, const float* values, int64_t stride) {
         for (int64_t g = 0; g < group; ++g)
           accumulate<D>(scores.data() + g * len + start, values, stride, n,
                         acc.data() + g * head_dim, head_dim);
-      }
+      });
       std::memcpy(op + (s * num_heads + h * group) * head_dim, acc.data(),
                   group * head_dim * sizeof(float));
     }
