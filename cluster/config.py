@@ -129,6 +129,16 @@ class EngineConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
+def with_default_pools(config: EngineConfig) -> EngineConfig:
+    """The config to serve with: the given one, or, when it names no worker pools, the
+    same with one prefill and one decode worker of one CPU each (what ``serve`` and
+    ``batch`` run by default; the offline ``LLM`` keeps the one-process engine)."""
+    if config.cluster.pools:
+        return config
+    pools = [WorkerPoolConfig(role="prefill"), WorkerPoolConfig(role="decode")]
+    return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, pools=pools))
+
+
 def load_config(path: str | Path | None) -> EngineConfig:
     """Read and validate a YAML config file (None or an empty file: all defaults)."""
     if path is None:
