@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -33,6 +34,49 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()   # a cluster config's scheduler actor is detached
     print(out.outputs[0].text.strip())
+    return 0
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    import ray
+    from ray import serve
+
+    from cluster.config import load_config, with_default_pools
+    from cluster.serve_app import app_for, served_model_name
+
+    config = with_default_pools(load_config(args.config))
+    serving = {k: v for k, v in (("host", args.host), ("port", args.port),
+                                 ("api_key", args.api_key), ("model_name", args.served_name))
+               if v is not None}
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, path=args.model or config.model.path),
+        serving=dataclasses.replace(config.serving, **serving))
+    sv = config.serving
+    ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=True)
+    signal.signal(signal.SIGTERM, _interrupt)   # stop as on Ctrl-C, cleaning up alike
+    try:
+        serve.start(http_options={"host": sv.host, "port": sv.port})
+        serve.run(app_for(config), name="llm", route_prefix="/")
+        url = f"http://{sv.host}:{sv.port}"
+        name = served_model_name(config)
+        print(f"Serving {name} at {url}/v1 (OpenAI API); Ctrl-C stops it.\n"
+              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"""-d '{{"model": "{name}", "messages": [{{"role": "user", """
+              f""""content": "What is the capital of France?"}}]}}'""", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0
 
 
@@ -67,6 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send the prompt as plain text, without the chat template")
     _add_common(gen)
     gen.set_defaults(func=_cmd_generate)
+    srv = sub.add_parser(
+        "serve", help="serve the OpenAI API over HTTP on a Ray cluster",
+        description="Start (or join) Ray, launch the cell's workers and scheduler and an "
+        "OpenAI-compatible router (/v1/models, /v1/completions, /v1/chat/completions, "
+        "/health, /metrics); runs until Ctrl-C or SIGTERM. With no config: the embedded "
+        "model on 1 prefill + 1 decode worker of one CPU each.")
+    srv.add_argument("--host", help="address to listen on (default: serving.host, 127.0.0.1)")
+    srv.add_argument("--port", type=int, help="port to listen on (default: serving.port, 8000)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 "
+                     "(default: serving.api_key or $LLM_CLUSTER_API_KEY; none: open)")
+    srv.add_argument("--served-name", help="the model id clients send (default: "
+                     "serving.model_name, else the checkpoint's name)")
+    _add_common(srv)
+    srv.set_defaults(func=_cmd_serve)
     bench = sub.add_parser("bench", help="run a benchmark (from the repository root)",
                            description="Benchmarks in benchmarks/; run from the repository root.")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)

@@ -122,11 +122,52 @@ class ClusterConfig:
 
 
 @dataclass
+class ServingConfig:
+    """The HTTP server (``python -m cluster serve``, ``serve run``).
+
+    ``model_name``: the id clients send as ``model`` and ``/v1/models`` lists (None:
+    the checkpoint's name). ``api_key``: when set (or ``LLM_CLUSTER_API_KEY`` is), every
+    ``/v1`` request needs ``Authorization: Bearer <key>``. ``max_request_bytes``: larger
+    bodies are refused with 413. Router replicas autoscale between ``min_replicas`` and
+    ``max_replicas`` on ``target_ongoing_requests`` per replica.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    api_key: str | None = None
+    max_request_bytes: int = 4 << 20
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 64.0
+    max_ongoing_requests: int = 512
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: got {self.port}; expected 1 to 65535")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ValueError("model_name: got an empty name; give a name or null")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: got {self.max_request_bytes}; expected "
+                             ">= 1024")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"min_replicas/max_replicas: got {self.min_replicas}/"
+                             f"{self.max_replicas}; expected 1 <= min_replicas <= max_replicas")
+        if self.target_ongoing_requests <= 0:
+            raise ValueError(f"target_ongoing_requests: got {self.target_ongoing_requests}; "
+                             "expected > 0")
+        if self.max_ongoing_requests < 1:
+            raise ValueError(f"max_ongoing_requests: got {self.max_ongoing_requests}; "
+                             "expected >= 1")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
 
 
 def with_default_pools(config: EngineConfig) -> EngineConfig:

@@ -159,7 +159,7 @@ def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
 
 def _with_overrides(base: EngineConfig, kwargs: dict[str, Any]) -> EngineConfig:
     data = {name: dataclasses.asdict(getattr(base, name))
-            for name in ("model", "cache", "scheduler", "cluster")}
+            for name in ("model", "cache", "scheduler", "cluster", "serving")}
     for key, value in kwargs.items():
         section, fieldname = _OVERRIDES[key]
         data[section][fieldname] = value

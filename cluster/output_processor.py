@@ -9,6 +9,7 @@ sent before it is recognised.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from cluster.outputs import CompletionOutput, Logprob, RequestOutput
@@ -23,11 +24,6 @@ class _SeqText:
     out: CompletionOutput
     detok: IncrementalDetokenizer | None
 
-    def stable_len(self, holdback: int) -> int:
-        if self.out.finished:
-            return len(self.out.text)
-        return max(0, len(self.out.text) - holdback)
-
 
 @dataclass
 class _RequestText:
@@ -41,6 +37,16 @@ class _RequestText:
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.out.finished for s in self.seqs.values())
+
+
+def streamable_text(out: CompletionOutput, stop: Sequence[str]) -> str:
+    """What of a sequence's text can be streamed: all of it once finished, else all but
+    the last ``len(longest stop string) - 1`` characters, so that a stop string is
+    never half sent before it is recognised."""
+    if out.finished:
+        return out.text
+    hold = max((len(s) for s in stop), default=1) - 1
+    return out.text[:max(0, len(out.text) - hold)]
 
 
 class OutputProcessor:
@@ -83,13 +89,6 @@ class OutputProcessor:
             elif req.stream:
                 outputs.append(self._snapshot(req))
         return outputs, to_stop
-
-    def stable_text(self, request_id: str, index: int) -> str:
-        """Text of one sequence that can be streamed without risking a half stop string."""
-        req = self.requests[request_id]
-        seq = req.seqs[index]
-        hold = max((len(s) for s in req.params.stop), default=1) - 1
-        return seq.out.text[:seq.stable_len(hold)]
 
     def _new_seq(self, req: _RequestText, index: int) -> _SeqText:
         detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,

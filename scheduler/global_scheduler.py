@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -133,6 +134,7 @@ class GlobalScheduler:
                                       max_model_len, eos_token_ids))
             for w in workers]
         self.requests: dict[str, _Request] = {}
+        self.clients: dict[str, set[str]] = {}   # client -> its requests still known
         self.num_recovered = 0
         self._pulse = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -149,8 +151,10 @@ class GlobalScheduler:
 
     # ---- requests --------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams, priority: int = 0) -> None:
-        """Queue a request, or raise ``OverloadedError`` at once when the queue is full."""
+                     params: SamplingParams, priority: int = 0,
+                     client: str | None = None) -> None:
+        """Queue a request, or raise ``OverloadedError`` at once when the queue is full.
+        ``client`` names the caller for ``get_client_updates``."""
         if params.n != 1:
             raise ValueError(f"n: got {params.n}; the cluster runs n=1 only, submit the "
                              "prompt n times with different seeds instead")
@@ -165,6 +169,8 @@ class GlobalScheduler:
             raise NoWorkersError("no live worker is left in this cluster; restart it")
         w.batch.add(request_id, prompt_token_ids, params, priority)
         self.requests[request_id] = _Request(w.batch.seqs[request_id], w)
+        if client is not None:
+            self.clients.setdefault(client, set()).add(request_id)
         w.wake.set()
 
     async def get_updates(self, request_ids: list[str],
@@ -173,10 +179,27 @@ class GlobalScheduler:
         """Wait until one of the requests has news (or the timeout); returns, per request
         with news, (token updates since the last call, finished, the error that ended
         it). A finished request is forgotten once returned."""
+        return await self._wait_updates(lambda: request_ids, timeout_s)
+
+    async def get_client_updates(self, client: str, timeout_s: float = 1.0
+                                 ) -> dict[str, tuple[list[SeqUpdate], bool, Exception | None]]:
+        """``get_updates`` over every live request submitted with ``client``, so one
+        long-poll serves all the streams of a router replica, those submitted while
+        it waits included."""
+        return await self._wait_updates(lambda: self._client_requests(client), timeout_s)
+
+    def _client_requests(self, client: str) -> list[str]:
+        live = {rid for rid in self.clients.pop(client, ()) if rid in self.requests}
+        if live:
+            self.clients[client] = live
+        return sorted(live)
+
+    async def _wait_updates(self, request_ids: Callable[[], list[str]], timeout_s: float
+                            ) -> dict[str, tuple[list[SeqUpdate], bool, Exception | None]]:
         deadline = time.monotonic() + timeout_s
         while True:
             ready = {}
-            for rid in request_ids:
+            for rid in request_ids():
                 req = self.requests.get(rid)
                 if req is None:
                     ready[rid] = ([], True, KeyError(f"unknown request id {rid!r}: never "

@@ -1,0 +1,146 @@
+"""The router's Prometheus metrics: request latencies it measures, errors it answers,
+and the scheduler's per-worker figures, rendered as Prometheus text.
+
+Latency histograms and error counters belong to one router replica (each replica
+exposes its own, as a Prometheus scrape of every replica would sum them); the worker
+gauges and KV transfer counters come from the global scheduler at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# Seconds: from a few ms (a short CPU step) to minutes (a long generation on a CPU).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+PREFIX = "llm_cluster"
+
+
+@dataclass
+class Histogram:
+    """Cumulative-bucket histogram, as Prometheus defines one."""
+
+    name: str
+    help: str
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.counts):
+            self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        name = f"{PREFIX}_{self.name}"
+        lines = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        cumulative = 0
+        for bound, n in zip(self.buckets, self.counts):
+            cumulative += n
+            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+        lines += [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total}",
+                  f"{name}_count {self.count}"]
+        return lines
+
+
+@dataclass
+class RouterMetrics:
+    """What one router replica has seen."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(
+        "time_to_first_token_seconds", "Request arrival to its first generated token."))
+    tpot: Histogram = field(default_factory=lambda: Histogram(
+        "time_per_output_token_seconds", "Mean gap between a request's output tokens."))
+    e2e: Histogram = field(default_factory=lambda: Histogram(
+        "e2e_request_latency_seconds", "Request arrival to its last token."))
+    errors: Counter[str] = field(default_factory=Counter)
+    requests: Counter[str] = field(default_factory=Counter)   # by finish reason
+    in_flight: int = 0
+
+    def observe_request(self, arrival: float, first_token: float | None, end: float,
+                        num_tokens: int) -> None:
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+            if num_tokens > 1:
+                self.tpot.observe((end - first_token) / (num_tokens - 1))
+        self.e2e.observe(end - arrival)
+
+    def render(self, stats: dict[str, Any] | None) -> str:
+        """Prometheus text of this replica's figures and, if given, the scheduler's."""
+        lines: list[str] = []
+        _counter(lines, "requests_total", "Requests answered, by finish reason.",
+                 [({"finish_reason": k}, v) for k, v in sorted(self.requests.items())])
+        _counter(lines, "errors_total", "Requests refused or failed, by error kind.",
+                 [({"kind": k}, v) for k, v in sorted(self.errors.items())])
+        _gauge(lines, "router_requests_in_flight", "Requests this router replica is serving.",
+               [({}, self.in_flight)])
+        for h in (self.ttft, self.tpot, self.e2e):
+            lines += h.render()
+        if stats is not None:
+            lines += _scheduler_lines(stats)
+        return "\n".join(lines) + "\n"
+
+
+def _scheduler_lines(stats: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    workers = stats["workers"]
+
+    def per_worker(key: Any) -> list[tuple[dict[str, str], float]]:
+        return [({"worker": w["worker_id"], "role": w["role"]}, key(w)) for w in workers]
+
+    _gauge(lines, "num_requests_running", "Sequences running on a worker.",
+           per_worker(lambda w: w["num_running"]))
+    _gauge(lines, "num_requests_waiting", "Sequences queued for a worker.",
+           per_worker(lambda w: w["num_waiting"]))
+    _gauge(lines, "kv_cache_usage_ratio", "Fraction of a worker's KV blocks in use.",
+           per_worker(lambda w: w["num_used_blocks"] / max(w["num_blocks"], 1)))
+    _gauge(lines, "kv_cache_free_blocks", "Free KV blocks of a worker.",
+           per_worker(lambda w: w["num_free_blocks"]))
+    _gauge(lines, "prefix_cache_hit_rate", "Prompt blocks found in a worker's prefix cache.",
+           per_worker(lambda w: w["prefix_hit_rate"]))
+    _gauge(lines, "worker_alive", "1 while the worker actor is alive.",
+           per_worker(lambda w: int(w["alive"])))
+    _counter(lines, "kv_transfer_bytes_total", "KV bytes a worker received in handoffs.",
+             per_worker(lambda w: w["kv_received"]["bytes"]))
+    _counter(lines, "kv_transfer_seconds_total",
+             "Seconds of a worker's received handoffs, first token to acknowledgement.",
+             per_worker(lambda w: w["kv_received"]["seconds"]))
+    _counter(lines, "kv_transfers_total", "KV handoffs a worker received.",
+             per_worker(lambda w: w["kv_received"]["count"]))
+    _counter(lines, "kv_transfer_failures_total", "KV handoffs a worker sent that failed.",
+             per_worker(lambda w: w["kv_sent"]["failures"]))
+    _counter(lines, "recovered_requests_total", "Requests recomputed after a worker loss.",
+             [({}, stats["num_recovered"])])
+    return lines
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+
+def _series(kind: str, lines: list[str], name: str, help_text: str,
+            values: list[tuple[dict[str, str], float]]) -> None:
+    full = f"{PREFIX}_{name}"
+    lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
+    lines += [f"{full}{_labels(labels)} {value}" for labels, value in values]
+
+
+def _gauge(lines: list[str], name: str, help_text: str,
+           values: list[tuple[dict[str, str], float]]) -> None:
+    _series("gauge", lines, name, help_text, values)
+
+
+def _counter(lines: list[str], name: str, help_text: str,
+             values: list[tuple[dict[str, str], float]]) -> None:
+    _series("counter", lines, name, help_text, values)

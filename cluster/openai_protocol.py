@@ -1,0 +1,207 @@
+"""OpenAI's request and response shapes for the completion and chat endpoints.
+
+Requests are pydantic models in strict mode (a string where a number belongs is a
+400, not a silent conversion), with OpenAI's field names plus vLLM's sampling extras;
+fields neither knows are ignored, as OpenAI's own server does. Responses are plain
+dicts built from the engine's ``CompletionOutput``. Every refusal is an ``APIError``
+that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cluster.outputs import CompletionOutput
+from scheduler.protocol import SamplingParams
+
+
+@dataclass
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    retry_after_s: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        seed: int | None) -> SamplingParams:
+        """One choice's parameters (the cluster runs n=1 per sequence: each choice is its
+        own request, with ``seed + index`` when a seed is given)."""
+        try:
+            return SamplingParams(
+                n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, seed=seed, stop=self.stop or [],
+                stop_token_ids=self.stop_token_ids or [],
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            raise APIError(400, str(e), param=field) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (OpenAI accepts one or many, as text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) for t in p):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("str", "list",
+                                                                                 "int")))
+        got = err.get("input")
+        shown = f"; got {got!r}" if err["type"] != "missing" else ""
+        raise APIError(400, f"{param}: {err['msg']}{shown}", param=param or None) from None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def finish_reason(out: CompletionOutput) -> str | None:
+    """OpenAI knows stop and length; an aborted sequence reports none."""
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for tokens ``start:`` of ``out``."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for tok, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        piece = entry[tok].decoded_token or ""
+        tokens.append(piece)
+        token_lps.append(entry[tok].logprob)
+        tops.append({lp.decoded_token or "": lp.logprob
+                     for lp in sorted((v for v in entry.values() if v.rank is not None),
+                                      key=lambda v: v.rank)})
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(out: CompletionOutput, start: int) -> dict[str, Any]:
+    """The chat ``logprobs`` object (``content``: one entry a token) for tokens ``start:``."""
+    def item(text: str | None, logprob: float) -> dict[str, Any]:
+        text = text or ""
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    content = []
+    for tok, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        top = sorted((v for v in entry.values() if v.rank is not None), key=lambda v: v.rank)
+        content.append({**item(entry[tok].decoded_token, entry[tok].logprob),
+                        "top_logprobs": [item(v.decoded_token, v.logprob) for v in top]})
+    return {"content": content}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None
+             ) -> dict[str, Any]:
+    """The fields every response and chunk starts with."""
+    return {"id": request_id, "object": kind, "created": created or int(time.time()),
+            "model": model}
