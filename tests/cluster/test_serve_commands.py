@@ -1,0 +1,79 @@
+"""The two ways to start the server, as a user types them: ``python -m cluster serve``
+and ``serve run configs/serve.yaml``. Each starts its own local Ray instance in a
+subprocess, answers a chat completion over HTTP on 127.0.0.1, and stops on SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+_START_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_run(tmp_path: Path, port: int) -> list[str]:
+    """``serve run`` of the repository's configs/serve.yaml, on a free port."""
+    data = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+    data["http_options"]["port"] = port
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return [str(Path(sys.executable).parent / "serve"), "run", str(path)]
+
+
+def _cluster_serve(_: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "cluster", "serve", "--port", str(port)]
+
+
+@pytest.mark.parametrize("command", [_cluster_serve, _serve_run],
+                         ids=["python -m cluster serve", "serve run configs/serve.yaml"])
+def test_the_server_starts_answers_and_stops(command, tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(command(tmp_path, port), cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not become healthy"
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        resp = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert resp.status_code == 200, resp.text
+        assert "Paris" in resp.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        log.close()
+    assert code in (0, -signal.SIGINT, 130), (tmp_path / "server.log").read_text()[-3000:]
+    if command is _cluster_serve:
+        assert "Serving SmolLM2-135M-Instruct at" in (tmp_path / "server.log").read_text()

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server on a real local Ray instance, reached over real HTTP.
+
+Two Serve applications share the session's Ray instance: ``/`` is what ``python -m
+cluster serve`` runs (the default model on 1 prefill + 1 decode worker), driven with
+the official ``openai`` client and checked against the one-process engine's greedy
+output; ``/limited`` has an API key and room for one running and one waiting
+request, for the 401 and overload tests.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from cluster.config import config_from_dict, with_default_pools
+from scheduler.protocol import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "test-key"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+_START_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_instance) -> Iterator[str]:
+    from ray import serve
+
+    from cluster.serve_app import app_for
+
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    main = with_default_pools(config_from_dict({
+        "cache": {"kv_cache_bytes": 256 << 20},
+        "cluster": {"name": "serving-test",
+                    "pools": [{"role": "prefill", "resources": {"CPU": 0.5}},
+                              {"role": "decode", "resources": {"CPU": 0.5}}]}}))
+    limited = config_from_dict({
+        "cache": {"kv_cache_bytes": 128 << 20},   # about 2,900 tokens of this model
+        "scheduler": {"max_num_seqs": 1},
+        "cluster": {"name": "serving-limited", "max_waiting": 1,
+                    "pools": [{"role": "mixed", "resources": {"CPU": 0.5}}]},
+        "serving": {"api_key": KEY}})
+    try:
+        serve.run(app_for(main), name="main", route_prefix="/")
+        serve.run(app_for(limited), name="limited", route_prefix="/limited")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=_START_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def local_llm():
+    """The one-process engine on the same model: the oracle for greedy text."""
+    from cluster.llm import LLM
+
+    return LLM()
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+# ---- the openai client ---------------------------------------------------------------
+def test_models_list(client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+
+
+def test_completion_equals_the_offline_engine(client, local_llm):
+    prompt = "The three primary colors are"
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    want = local_llm.generate(prompt, _greedy(24))[0].outputs[0]
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == len(want.token_ids)
+    assert got.usage.prompt_tokens == len(local_llm.get_tokenizer().encode(prompt))
+
+
+def test_chat_completion_equals_the_offline_engine(client, local_llm):
+    got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32,
+                                         temperature=0)
+    want = local_llm.chat(QUESTION, _greedy(32))[0].outputs[0].text
+    assert got.choices[0].message.content == want
+    assert "Paris" in want
+    assert got.choices[0].message.role == "assistant"
+
+
+def test_streaming_chat_concatenates_to_the_same_text(client, local_llm):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    assert text == local_llm.chat(QUESTION, _greedy(32))[0].outputs[0].text
+    assert content[-1].choices[0].finish_reason in ("stop", "length")
+    assert len(content) > 3   # streamed, not sent in one piece
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_stop_string_cuts_the_text(client, local_llm):
+    full = local_llm.chat(QUESTION, _greedy(32))[0].outputs[0].text
+    stop = "Paris"
+    got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32,
+                                         temperature=0, stop=[stop])
+    assert got.choices[0].message.content == full[:full.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=32,
+                                              temperature=0, stop=[stop], stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == full[:full.index(stop)]
+
+
+def test_n_and_seed_reproducibility(client):
+    def sample(n: int, seed: int) -> list[str]:
+        out = client.completions.create(model=MODEL, prompt="Once upon a time", n=n,
+                                        seed=seed, temperature=1.0, max_tokens=16)
+        assert [c.index for c in out.choices] == list(range(n))
+        return [c.text for c in out.choices]
+
+    pair = sample(2, seed=7)
+    assert sample(2, seed=7) == pair
+    # choice i is sampled with seed + i
+    assert sample(1, seed=7) == pair[:1]
+    assert sample(1, seed=8) == pair[1:]
+
+
+def test_streaming_n_2_gives_both_choices(client):
+    stream = client.completions.create(model=MODEL, prompt="The sky is", n=2, seed=3,
+                                       temperature=1.0, max_tokens=12, stream=True)
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    whole = client.completions.create(model=MODEL, prompt="The sky is", n=2, seed=3,
+                                      temperature=1.0, max_tokens=12)
+    assert finished == {0, 1}
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+
+
+def test_chat_logprobs_match_the_offline_engine(client, local_llm):
+    got = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    want = local_llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=5,
+                                                   logprobs=3))[0].outputs[0]
+    content = got.choices[0].logprobs.content
+    assert len(content) == len(want.token_ids) == 5
+    for item, tok, entry in zip(content, want.token_ids, want.logprobs):
+        assert item.logprob == pytest.approx(entry[tok].logprob, abs=1e-4)
+        assert len(item.top_logprobs) == 3
+        # greedy: the sampled token is the most likely one
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)
+
+
+# ---- raw HTTP: every refusal in OpenAI's error shape ----------------------------------
+def _post(url: str, body: Any, headers: dict[str, str] | None = None,
+          raw: bytes | None = None) -> httpx.Response:
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(url, content=content, timeout=_START_TIMEOUT_S,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+def test_malformed_json_and_wrong_types_are_400(server):
+    url = f"{server}/v1/chat/completions"
+    _error(_post(url, None, raw=b'{"model": "x", '), 400)
+    err = _error(_post(url, {"model": MODEL, "messages": QUESTION, "temperature": "hot"}), 400)
+    assert err["param"] == "temperature" and "hot" in err["message"]
+    err = _error(_post(url, {"model": MODEL, "messages": "hi"}), 400)
+    assert err["param"].startswith("messages")
+    err = _error(_post(url, {"model": MODEL, "messages": QUESTION, "top_p": 0}), 400)
+    assert err["param"] == "top_p"
+    _error(_post(url, [1, 2]), 400)
+    _error(_post(f"{server}/v1/completions", {"prompt": "hi"}), 400)   # no model
+
+
+def test_unknown_model_is_404(server):
+    err = _error(_post(f"{server}/v1/completions", {"model": "gpt-4", "prompt": "hi"}), 404)
+    assert err["code"] == "model_not_found" and MODEL in err["message"]
+
+
+def test_prompt_over_the_context_length_names_both_lengths(server, client):
+    limit = client.models.list().data[0].model_extra["max_model_len"]
+    err = _error(_post(f"{server}/v1/completions",
+                       {"model": MODEL, "prompt": [5] * (limit + 10)}), 400)
+    assert str(limit + 10) in err["message"] and str(limit) in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    err = _error(_post(f"{server}/v1/completions",
+                       {"model": MODEL, "prompt": "hi", "max_tokens": limit}), 400)
+    assert str(limit) in err["message"] and err["param"] == "max_tokens"
+
+
+def test_body_over_the_size_limit_is_413(server):
+    huge = {"model": MODEL, "prompt": "a" * (5 << 20)}
+    err = _error(_post(f"{server}/v1/completions", huge), 413)
+    assert "4194304" in err["message"]
+
+
+def test_api_key_is_required_where_configured(server):
+    url = f"{server}/limited/v1/models"
+    assert httpx.get(url, timeout=_START_TIMEOUT_S).status_code == 401
+    wrong = httpx.get(url, headers={"Authorization": "Bearer nope"}, timeout=_START_TIMEOUT_S)
+    assert _error(wrong, 401)["type"] == "authentication_error"
+    right = httpx.get(url, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=_START_TIMEOUT_S)
+    assert right.status_code == 200 and right.json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{server}/v1/models", timeout=_START_TIMEOUT_S).status_code == 200
+
+
+def _metric(server: str, prefix: str, name: str) -> dict[str, float]:
+    text = httpx.get(f"{server}{prefix}/metrics", timeout=_START_TIMEOUT_S).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(f"llm_cluster_{name}"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def _wait_for(check, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_overload_is_503_with_retry_after_and_loses_nothing(server):
+    """One running request holds the only slot, one waits; the third is refused at
+    once, and the waiting one still completes once the first is aborted."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = f"{server}/limited/v1/completions"
+    long_body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
+                 "ignore_eos": True, "stream": True}
+    waiting_result: dict[str, Any] = {}
+
+    def waiter() -> None:
+        waiting_result["resp"] = _post(url, {"model": MODEL, "prompt": "Hello",
+                                             "max_tokens": 4, "temperature": 0}, auth)
+
+    with httpx.stream("POST", url, json=long_body, headers=auth,
+                      timeout=_START_TIMEOUT_S) as running:
+        assert running.status_code == 200, running.read()
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        _wait_for(lambda: sum(_metric(server, "/limited", "num_requests_waiting").values())
+                  >= 1)
+        refused = _post(url, {"model": MODEL, "prompt": "Hi", "max_tokens": 4}, auth)
+        err = _error(refused, 503)
+        assert err["code"] == "overloaded" and "max_waiting=1" in err["message"]
+        assert refused.headers["retry-after"] == "1"
+    thread.join(_START_TIMEOUT_S)
+    resp = waiting_result["resp"]
+    assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_client_that_disconnects_gives_its_blocks_back(server):
+    url = f"{server}/v1/completions"
+    body = {"model": MODEL, "prompt": "Tell me a long story", "max_tokens": 2000,
+            "ignore_eos": True}
+    with httpx.stream("POST", url, json={**body, "stream": True},
+                      timeout=_START_TIMEOUT_S) as resp:
+        lines = resp.iter_lines()   # left suspended: leaving the loop would close it
+        for _ in range(6):
+            next(lines)
+        _wait_for(lambda: sum(_metric(server, "", "kv_cache_usage_ratio").values()) > 0)
+    # a non-streaming request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json={**body, "prompt": "Another story"}, timeout=3.0)
+
+    def idle() -> bool:
+        return (sum(_metric(server, "", "kv_cache_usage_ratio").values()) == 0
+                and sum(_metric(server, "", "num_requests_running").values()) == 0)
+
+    _wait_for(idle)
+
+
+def test_health_and_metrics(server, client):
+    assert httpx.get(f"{server}/health", timeout=_START_TIMEOUT_S).json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
+    text = httpx.get(f"{server}/metrics", timeout=_START_TIMEOUT_S).text
+    for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_bucket",
+                 "e2e_request_latency_seconds_sum", 'kv_cache_usage_ratio{role="decode"',
+                 "prefix_cache_hit_rate", "kv_transfer_bytes_total", "errors_total",
+                 'requests_total{finish_reason="length"}'):
+        assert f"llm_cluster_{name}" in text, name
