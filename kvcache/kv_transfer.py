@@ -113,10 +113,15 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     # The gather writes straight into the rows (no temporary); a device pool is
     # gathered on the device and crosses to the host in one transfer.
     rows = host if device.type == "cpu" else torch.empty_like(host, device=device)
-    by_layer = _words(rows).permute(1, 2, 0, 3)
-    for first, layers in _layer_groups(kv_caches):
-        torch.index_select(_words(layers), 2, ids,
-                           out=by_layer[first:first + layers.shape[0]])
+    row_words = _words(rows)
+    slabs = _pool_slabs(kv_caches)
+    if slabs is not None:
+        torch.index_select(slabs, 0, _slab_ids(ids, kv_caches),
+                           out=row_words.view(-1, row_words.shape[-1]))
+    else:
+        for layer, kv in enumerate(kv_caches):
+            for kind, slab in enumerate(_words(kv.view(2, kv.shape[1], -1))):
+                torch.index_select(slab, 0, ids, out=row_words[:, layer, kind])
     if rows is not host:
         host.copy_(rows)
     flat = flat.view(value_type.to_pandas_dtype())
@@ -181,10 +186,16 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     device = kv_caches[0].device
     src = _read_only_tensor(flat).view(pool_dtype).view(
         len(ids), expected_meta.num_layers, 2, _block_elems(expected_meta))
-    by_layer = _words(src.to(device)).permute(1, 2, 0, 3)
+    src_words = _words(src.to(device))
     device_ids = torch.from_numpy(ids).to(device)
-    for first, layers in _layer_groups(kv_caches):
-        _words(layers).index_copy_(2, device_ids, by_layer[first:first + layers.shape[0]])
+    slabs = _pool_slabs(kv_caches)
+    if slabs is not None:
+        slabs.index_copy_(0, _slab_ids(device_ids, kv_caches),
+                          src_words.view(-1, src_words.shape[-1]))
+    else:
+        for layer, kv in enumerate(kv_caches):
+            for kind, slab in enumerate(_words(kv.view(2, num_blocks, -1))):
+                slab.index_copy_(0, device_ids, src_words[:, layer, kind])
     return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts])
 
 
@@ -260,25 +271,32 @@ def _checksum(kv: np.ndarray, counts: np.ndarray, hashes: Sequence[bytes | None]
     return f"sum64-{_CHECKSUM_CHUNK}-blake2b:{digest.hexdigest()}"
 
 
-def _layer_groups(kv_caches: Sequence[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
-    """The pool as (first layer, ``(layers, 2, num_blocks, elems)`` view) pairs: one pair
-    when the layers are consecutive slices of one allocation, else one per layer.
+def _pool_slabs(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The pool as one ``(layers * 2 * num_blocks, words)`` view of its K/V slabs when the
+    layers are consecutive slices of one allocation (``allocate_kv_cache``'s), else None.
 
-    Every torch op starts and joins its threads once; on a machine shared with other work
-    a thread that is not scheduled stalls each op, so 60 ops per handoff (a layer's K and
-    V apiece) took 10x longer under load than one op over all layers.
+    Over it a handoff is one torch op, whose threads start and join once: per layer and
+    K/V, 60 ops on the default model, each stalled by a thread the shared machine did not
+    schedule, took 10x longer under load. Over small slices torch's index_select copies
+    each with one memcpy.
     """
     first = kv_caches[0]
-    layer_elems = first.numel()
-    shape = (2, first.shape[1], math.prod(first.shape[2:]))
+    layer_bytes = first.numel() * first.element_size()
     storage = first.untyped_storage().data_ptr()
-    if all(kv.untyped_storage().data_ptr() == storage
-           and kv.data_ptr() == first.data_ptr() + i * layer_elems * kv.element_size()
-           for i, kv in enumerate(kv_caches)):
-        whole = first.as_strided((len(kv_caches), *shape),
-                                 (layer_elems, shape[1] * shape[2], shape[2], 1))
-        return [(0, whole)]
-    return [(i, kv.view(1, *shape)) for i, kv in enumerate(kv_caches)]
+    if not all(kv.untyped_storage().data_ptr() == storage
+               and kv.data_ptr() == first.data_ptr() + i * layer_bytes
+               for i, kv in enumerate(kv_caches)):
+        return None
+    slab = math.prod(first.shape[2:])
+    whole = first.as_strided((len(kv_caches) * 2 * first.shape[1], slab), (slab, 1))
+    return _words(whole)
+
+
+def _slab_ids(block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The slabs of ``_pool_slabs`` that hold the blocks, in row order (block, layer, K/V)."""
+    num_blocks = kv_caches[0].shape[1]
+    starts = torch.arange(2 * len(kv_caches), device=block_ids.device) * num_blocks
+    return (block_ids[:, None] + starts[None, :]).reshape(-1)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
