@@ -10,10 +10,11 @@ block size 16), one sequence's blocks (scattered block ids, as in a used pool) g
 - memcpy: one torch copy_ of the same number of bytes between two preallocated
   contiguous tensors, the bandwidth ceiling of any copy on this machine.
 
-The Arrow path passes over the payload four times and a half (gather into a reused
-buffer, the checksum's read, the copy into the object store, the receiver's checksum
-read, the scatter), so about a quarter of memcpy bandwidth is its ceiling here; pickle
-about five (gather, dumps, loads with a fresh buffer, scatter) with no integrity check.
+The Arrow path copies the payload three times (gather into a reused buffer, into the
+object store, scatter into the pool) and reads it twice (the sender's and the receiver's
+checksum, each about half a copy), about four memcpys' worth, so about a quarter of
+memcpy bandwidth is its ceiling here; pickle passes over it about five times (gather,
+dumps, loads with a fresh buffer, scatter) with no integrity check.
 The three paths run in turns, round after round, so load from other work on the machine
 falls on all of them alike; each figure is the median of --repeats rounds (more for short
 sequences, which are noisier) after one warm-up round. Before that the object store's
