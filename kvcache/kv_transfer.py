@@ -31,7 +31,7 @@ import torch
 
 from kvcache.kv_tensors import KVShape
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"   # 2: checksum over chunk sums (1: CRC-32)
 LAYOUT_ND = "nd"
 _CHECKSUM_CHUNK = 64 << 10   # bytes per summed chunk; a multiple of 8
 
