@@ -10,14 +10,19 @@ block size 16), one sequence's blocks (scattered block ids, as in a used pool) g
 - memcpy: one torch copy_ of the same number of bytes between two preallocated
   contiguous tensors, the bandwidth ceiling of any copy on this machine.
 
-The Arrow path passes over the payload about six times (first touch of a fresh buffer,
-gather, checksum, into the object store, checksum, scatter), so about 1/6 of memcpy
-bandwidth is its ceiling here; pickle about five (gather, dumps, loads with a fresh
-buffer, scatter) with no integrity check. Each figure is the median of
---repeats runs (more for short sequences, which are noisier) after one warm-up run.
+The Arrow path copies the payload three times (gather into a reused buffer, into the
+object store, scatter into the pool) and reads it twice (the sender's and the receiver's
+checksum, each about half a copy), about four memcpys' worth, so about a quarter of
+memcpy bandwidth is its ceiling here; pickle passes over it about five times (gather,
+dumps, loads with a fresh buffer, scatter) with no integrity check.
+The three paths run in turns, round after round, so load from other work on the machine
+falls on all of them alike; each figure is the median of --repeats rounds (more for short
+sequences, which are noisier) after one warm-up round. Before that the object store's
+memory is written once, as a long-running worker's is: a fresh store pays a page fault
+per page on its first use (``--cold-store`` skips this).
 
     python benchmarks/kv_handoff.py [--tokens 512 2048 8192 16384] [--repeats 3] [--threads N]
-                                    [--json]
+                                    [--cold-store] [--json]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import ray
 import torch
 
@@ -37,16 +43,20 @@ from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+STORE_BYTES = 3 << 30
 
 
-def median_time(repeats: int, fn: Callable[..., object], *args: object) -> float:
-    """Median of ``repeats`` timed calls after one untimed warm-up call."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def timed(fn: Callable[..., object], *args: object) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def touch_object_store(chunk: int = 128 << 20) -> None:
+    """Put and free objects until the store's memory has been written once."""
+    block = np.ones(chunk, dtype=np.uint8)
+    for _ in range(2 * STORE_BYTES // chunk):
+        ray.get(ray.put(block))
 
 
 def arrow_ray(src, dst, src_ids, dst_ids, meta, phases: dict[str, list[float]]) -> None:
@@ -89,13 +99,17 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
         nbytes = n * shape.bytes_per_block
         a = torch.empty(nbytes // shape.dtype.itemsize, dtype=shape.dtype).normal_()
         b = torch.empty_like(a)
-        memcpy_s = median_time(reps, b.copy_, a)
-        del a, b
         phases: dict[str, list[float]] = {"export": [], "put": [], "get": [], "import": []}
         ids_list, dst_list = src_ids.tolist(), dst_ids.tolist()
-        arrow_s = median_time(reps, arrow_ray, src, dst, ids_list, dst_list, meta, phases)
+        times: dict[str, list[float]] = {"memcpy": [], "arrow_ray": [], "pickle": []}
+        for _ in range(reps + 1):
+            times["memcpy"].append(timed(b.copy_, a))
+            times["arrow_ray"].append(timed(arrow_ray, src, dst, ids_list, dst_list, meta,
+                                            phases))
+            times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids))
+        del a, b
+        memcpy_s, arrow_s, pickle_s = (statistics.median(times[k][1:]) for k in times)
         assert all(torch.equal(d[:, dst_ids], s[:, src_ids]) for d, s in zip(dst, src))
-        pickle_s = median_time(reps, pickled, src, dst, src_ids, dst_ids)
         row = {"dtype": dtype_name, "tokens": tokens, "blocks": n, "bytes": nbytes,
                "MB": nbytes / 1e6,
                "memcpy_s": memcpy_s, "arrow_ray_s": arrow_s, "pickle_s": pickle_s}
@@ -130,18 +144,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch threads; 1 is steadier on a machine shared with other work")
+    ap.add_argument("--cold-store", action="store_true",
+                    help="do not write the object store's memory once before measuring")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+             object_store_memory=STORE_BYTES)
     try:
+        if not args.cold_store:
+            touch_object_store()
         rows = [row for d in args.dtypes for row in run(d, args.tokens, args.repeats)]
     finally:
         ray.shutdown()
     if args.json:
-        print(json.dumps({"torch_threads": args.threads, "rows": rows}, indent=2))
+        print(json.dumps({"torch_threads": args.threads, "cold_store": args.cold_store,
+                          "rows": rows}, indent=2))
     else:
-        print(f"torch threads: {args.threads}, median of >= {args.repeats} runs\n")
+        print(f"torch threads: {args.threads}, median of >= {args.repeats} rounds, "
+              f"object store {'cold' if args.cold_store else 'written once'}\n")
         print(markdown(rows))
 
 

@@ -2,7 +2,8 @@
 
 One tensor per layer, ``(2, num_blocks, block_size, kv_heads, head_dim)``: index 0
 holds keys and 1 values, so a block's K and V of a layer are two contiguous slabs
-and a token's slot is ``block_id * block_size + offset``.
+and a token's slot is ``block_id * block_size + offset``. The layers are consecutive
+views of one allocation, so a KV handoff moves a block of every layer in one torch op.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class KVShape:
 
 
 def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    return [torch.zeros(shape.layer_shape(num_blocks), dtype=shape.dtype, device=device)
-            for _ in range(shape.num_layers)]
+    pool = torch.zeros((shape.num_layers, *shape.layer_shape(num_blocks)), dtype=shape.dtype,
+                       device=device)
+    return list(pool.unbind(0))
 
 
 def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -94,6 +94,17 @@ def test_round_trip_is_bit_exact(dtype, shape, via_ipc):
     assert_blocks_equal(dst, others, before, others)
 
 
+def test_round_trip_between_pools_of_separately_allocated_layers():
+    """A pool whose layers are not one allocation moves layer by layer, as exactly."""
+    meta = make_meta(torch.bfloat16, SHAPES[1])
+    src = [kv.clone() for kv in make_pool(meta, 6, seed=21)]
+    dst = [kv.clone() for kv in make_pool(meta, 6, seed=22)]
+    hashes, counts = seq_blocks(meta, 3)
+    batch = export_blocks(src, [5, 0, 3], hashes, counts, meta)
+    import_blocks(from_ipc_buffer(to_ipc_bytes(batch)), dst, [2, 4, 1], meta)
+    assert_blocks_equal(dst, [2, 4, 1], src, [5, 0, 3])
+
+
 def test_suffix_export_completes_a_cached_prefix():
     """The receiver holds the first blocks in its prefix cache; only the rest travels."""
     meta = make_meta(torch.bfloat16)
@@ -114,6 +125,18 @@ def test_empty_batch_round_trips():
     got = import_blocks(from_ipc_buffer(to_ipc_bytes(batch)), make_pool(meta, 2, seed=6), [],
                         meta)
     assert got.block_ids == [] and got.token_counts == []
+
+
+def test_a_held_batch_keeps_its_rows_when_the_next_export_reuses_the_buffer():
+    """Export reuses its host buffer only once no batch holds it."""
+    meta = make_meta(torch.float32)
+    src = make_pool(meta, 8, seed=17)
+    first = export_blocks(src, [6, 1, 3], *seq_blocks(meta, 3), meta)
+    export_blocks(src, [0, 2, 4], *seq_blocks(meta, 3), meta)   # dropped: buffer free again
+    export_blocks(src, [7, 5, 0], *seq_blocks(meta, 3), meta)
+    dst = make_pool(meta, 8, seed=18)
+    import_blocks(first, dst, [2, 4, 7], meta)
+    assert_blocks_equal(dst, [2, 4, 7], src, [6, 1, 3])
 
 
 def test_ipc_read_is_zero_copy():
@@ -173,7 +196,7 @@ def test_missing_metadata_is_refused():
 @pytest.mark.parametrize("chunk", [16 << 20, 1024], ids=["one_chunk", "many_chunks"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_flipped_payload_byte_is_caught_by_the_checksum(dtype, chunk, monkeypatch):
-    monkeypatch.setattr(kv_transfer, "_CRC_CHUNK", chunk)
+    monkeypatch.setattr(kv_transfer, "_CHECKSUM_CHUNK", chunk)
     meta = make_meta(dtype)
     buf = to_ipc_bytes(export_blocks(make_pool(meta, 6, seed=14), [4, 1, 3],
                                      *seq_blocks(meta, 3), meta))
@@ -187,6 +210,25 @@ def test_one_flipped_payload_byte_is_caught_by_the_checksum(dtype, chunk, monkey
         corrupted[pos] ^= 0x01
         with pytest.raises(KVTransferError, match="checksum"):
             import_blocks(from_ipc_buffer(corrupted), dst, [0, 2, 5], meta)
+    assert_untouched(dst, before)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 3), (2, 4, 1, 5)], ids=["6B_rows", "80B_rows"])
+def test_every_single_byte_flip_is_caught(shape, monkeypatch):
+    """Any byte of a payload whose size is no multiple of 8 (tail bytes) or of the chunk."""
+    monkeypatch.setattr(kv_transfer, "_CHECKSUM_CHUNK", 16)
+    meta = make_meta(torch.int8, shape)
+    buf = to_ipc_bytes(export_blocks(make_pool(meta, 4, seed=19), [3, 0, 2],
+                                     *seq_blocks(meta, 3, last_tokens=1), meta))
+    values = from_ipc_buffer(buf).column("kv").storage.flatten().buffers()[1]
+    start = values.address - buf.address
+    dst = make_pool(meta, 4, seed=20)
+    before = snapshot(dst)
+    for pos in range(start, start + values.size):
+        corrupted = bytearray(buf)
+        corrupted[pos] ^= 0x80
+        with pytest.raises(KVTransferError, match="checksum"):
+            import_blocks(from_ipc_buffer(corrupted), dst, [0, 1, 3], meta)
     assert_untouched(dst, before)
 
 
