@@ -146,11 +146,17 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("str", "list",
-                                                                                 "int")))
+        param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
         got = err.get("input")
         shown = f"; got {got!r}" if err["type"] != "missing" else ""
         raise APIError(400, f"{param}: {err['msg']}{shown}", param=param or None) from None
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """Pydantic names the member of a union it tried (``str``, ``list[int]``, a model's
+    class name) in an error's location; the field path is the rest."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
+                                      or part[:1].isupper())
 
 
 @dataclass

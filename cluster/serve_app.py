@@ -99,10 +99,12 @@ api = FastAPI(title="llm-cluster", docs_url=None, redoc_url=None)
 
 
 @api.exception_handler(HTTPException)
-async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """FastAPI's own refusals (unknown path, wrong method) in OpenAI's error shape."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(),
+    message = (f"{request.method} {request.url.path}: {exc.detail}; the API is "
+               "/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics")
+    return JSONResponse(APIError(exc.status_code, message, kind).body(),
                         status_code=exc.status_code)
 
 
