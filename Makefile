@@ -1,5 +1,5 @@
 # Two entry points, both working from a fresh clone:
-#   make run    set up .venv and answer a question with the default model
+#   make run    set up .venv and serve the default model (OpenAI API on 127.0.0.1:8000)
 #   make test   set up .venv (with the test oracles) and run lint + the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,7 +23,7 @@ setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
 run: setup
-	$(PY) -m cluster generate "What is the capital of France?"
+	$(PY) -m cluster serve
 
 test: setup-test
 	$(PY) -m ruff check .
