@@ -254,6 +254,8 @@ class Router:
         self._check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix: not supported by this server; leave it out", "suffix")
+        if not req.prompts:
+            raise APIError(400, "prompt: got an empty list; give a prompt", param="prompt")
         prompts = [self._tokenize(p, add_special_tokens=True) for p in req.prompts]
         choices = self._choices(req, prompts, req.max_tokens, req.logprobs)
         return await self._respond(req, choices, "cmpl", self._completion_chunk,
