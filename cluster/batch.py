@@ -30,6 +30,7 @@ from cluster.batch_io import (
     OutputStore,
     ResultRow,
     count_rows,
+    input_format,
     read_rows,
 )
 from cluster.config import ClusterConfig, EngineConfig, load_config, with_default_pools
@@ -49,6 +50,15 @@ class BatchOptions:
     flush_rows: int = 256      # finished rows per part file ...
     flush_s: float = 10.0      # ... or fewer, once this many seconds have passed
     progress: bool = True
+
+    def check(self) -> None:
+        """Refuse bad options before a cluster is started for them."""
+        if self.window < 1 or self.flush_rows < 1 or self.flush_s <= 0:
+            raise ValueError(f"--window {self.window}, --flush-rows {self.flush_rows}, "
+                             f"--flush-seconds {self.flush_s}: each must be > 0")
+        input_format(self.input)
+        OutputStore(self.output)
+        SamplingParams(**self.sampling)
 
 
 @dataclass
@@ -84,10 +94,7 @@ def batch_config(config: EngineConfig, output: Path) -> EngineConfig:
 
 def run_batch(llm: LLM, opts: BatchOptions) -> BatchSummary:
     """Run every input row not yet in the output through ``llm``; merge the output."""
-    if opts.window < 1 or opts.flush_rows < 1 or opts.flush_s <= 0:
-        raise ValueError(f"--window {opts.window}, --flush-rows {opts.flush_rows}, "
-                         f"--flush-seconds {opts.flush_s}: each must be > 0")
-    SamplingParams(**opts.sampling)   # a bad default fails the job before any work
+    opts.check()
     store = OutputStore(opts.output)
     done = store.done_ids()
     engine = llm.engine
@@ -204,6 +211,7 @@ def main(args: argparse.Namespace) -> int:
     """``python -m cluster batch``: 0 when every row is in the output (some perhaps with
     an error), 130 when interrupted (run the same command again to resume)."""
     opts = options_from_args(args)
+    opts.check()
     previous = signal.signal(signal.SIGTERM, _interrupt)   # `ray job stop` sends SIGTERM
     llm = None
     try:
