@@ -10,6 +10,17 @@ interrupted. The one-process engine on the default model carries the local tests
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +186,137 @@ def test_batch_config_names_the_scheduler_after_the_output(tmp_path):
                                                tmp_path / "b.parquet").cluster.name
     named = config_from_dict({"cluster": {"name": "mine"}})
     assert batch_config(named, tmp_path / "a.parquet").cluster.name == "mine"
+
+
+# ---- ray start --head + ray job submit ---------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).parent / "ray")
+JOB_ROWS = 100
+
+
+@dataclass
+class Head:
+    address: str            # the dashboard's, for `ray job`
+    env: dict[str, str]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+@pytest.fixture
+def ray_head() -> Iterator[Head]:
+    """A head node of our own (own ports, temp dir and session), apart from the test
+    session's Ray instance; stopped by killing exactly its processes, never `ray stop`."""
+    temp_dir = tempfile.mkdtemp(prefix="rb-", dir="/tmp")   # short: socket paths
+    gcs, dash, listen, grpc, metrics, env_agent, node, objects, client = _free_ports(9)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")
+           and k != "PYTHONPATH"}   # the job must import the uploaded working dir
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["RAY_AUTH_MODE"] = "token"   # what `ray start --head` turns on; clients need it said
+    log_path = Path(temp_dir) / "ray-start.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", f"--temp-dir={temp_dir}", f"--port={gcs}",
+             "--num-cpus=2", "--object-store-memory=200000000", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+             f"--dashboard-agent-listen-port={listen}", f"--dashboard-agent-grpc-port={grpc}",
+             f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={env_agent}",
+             f"--node-manager-port={node}", f"--object-manager-port={objects}",
+             f"--ray-client-server-port={client}", "--disable-usage-stats"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    head = Head(address, {**env, "RAY_ADDRESS": address})
+    try:
+        deadline = time.monotonic() + 240
+        while subprocess.run([RAY, "job", "list"], env=head.env, capture_output=True,
+                             timeout=120).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start --head failed: {log_path.read_text()}")
+            time.sleep(2)
+        yield head
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        deadline = time.monotonic() + 30
+        while (left := _session_pids(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(1)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _job(head: Head, *args: str) -> str:
+    """``ray job ARGS`` run from the repository root, as a user would; its output."""
+    done = subprocess.run([RAY, "job", *args], cwd=REPO, env=head.env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def _status(head: Head, job_id: str) -> str:
+    out = re.sub(r"\x1b\[[0-9;]*m", "", _job(head, "status", job_id))
+    for status, words in (("SUCCEEDED", "succeeded"), ("STOPPED", "was stopped"),
+                          ("FAILED", "failed")):
+        if f"Job '{job_id}' {words}" in out:
+            return status
+    match = re.search(r"Status for job '[^']+': (\w+)", out)
+    assert match is not None, out
+    return match.group(1)
+
+
+def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path):
+    src = _write_jsonl(tmp_path / "prompts.jsonl",
+                       [{"prompt": f"Item {i}: the number {i} is"} for i in range(JOB_ROWS)])
+    out = tmp_path / "results.parquet"
+    parts = tmp_path / "results.parquet.parts"
+    command = ["--working-dir", ".", "--", "python", "-m", "cluster", "batch",
+               "--input", str(src), "--output", str(out), "--max-tokens", "4",
+               "--window", "8", "--flush-rows", "5", "--no-progress"]
+
+    _job(ray_head, "submit", "--submission-id", "batch-first", "--no-wait", *command)
+    deadline = last_check = time.monotonic()
+    deadline += 600
+    while not any(parts.glob("*.parquet")):   # interrupt once some rows are flushed
+        if time.monotonic() - last_check > 10:
+            last_check = time.monotonic()
+            assert _status(ray_head, "batch-first") in ("PENDING", "RUNNING"), \
+                _job(ray_head, "logs", "batch-first")
+        assert time.monotonic() < deadline, _job(ray_head, "logs", "batch-first")
+        time.sleep(0.2)
+    _job(ray_head, "stop", "batch-first")
+    assert _status(ray_head, "batch-first") == "STOPPED"
+    assert "batch: interrupted" in _job(ray_head, "logs", "batch-first")   # SIGTERM handled
+    assert not out.exists()
+    flushed = pq.read_table(sorted(parts.glob("*.parquet"))).column("id").to_pylist()
+    assert 0 < len(flushed) == len(set(flushed)) < JOB_ROWS
+
+    logs = _job(ray_head, "submit", "--submission-id", "batch-resume", *command)
+    assert _status(ray_head, "batch-resume") == "SUCCEEDED", logs
+    assert f"{JOB_ROWS - len(flushed)} new, 0 errors, {len(flushed)} already done" in logs
+    rows = pq.read_table(out).to_pylist()
+    assert sorted(r["id"] for r in rows) == sorted(str(i) for i in range(JOB_ROWS))
+    assert all(r["error"] is None and r["completion_tokens"] > 0 for r in rows)
+    assert not parts.exists()
