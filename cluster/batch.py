@@ -170,6 +170,8 @@ def _submit(llm: LLM, request_id: str, row: InputRow, defaults: dict[str, Any]) 
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat) per "
                              f"row; this row has {'both' if prompt is not None else 'neither'}")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt: got {prompt!r}; expected text")
         if messages is not None:
             prompt = _chat_text(llm, messages)
         text, token_ids = engine.tokenize_prompt(prompt, add_special_tokens=messages is None)
@@ -212,10 +214,13 @@ def main(args: argparse.Namespace) -> int:
     an error), 130 when interrupted (run the same command again to resume)."""
     opts = options_from_args(args)
     opts.check()
-    previous = signal.signal(signal.SIGTERM, _interrupt)   # `ray job stop` sends SIGTERM
     llm = None
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         llm = LLM(args.model, config=batch_config(load_config(args.config), opts.output))
+        # `ray job stop` sends SIGTERM. Set after ray.init, whose own handler would
+        # otherwise replace this one and kill the driver before it stops its actors.
+        signal.signal(signal.SIGTERM, _interrupt)
         summary = run_batch(llm, opts)
     except KeyboardInterrupt:
         print(f"batch: interrupted; finished rows are kept in {opts.output}.parts/, run the "

@@ -164,6 +164,8 @@ class OutputStore:
     def merge(self) -> int:
         """Replace the output with the output plus every part (each id once); returns
         the number of rows. The parts are removed only after the rename."""
+        if self.output.is_file() and not self._part_files():
+            return pq.ParquetFile(self.output).metadata.num_rows   # nothing new
         written: set[str] = set()
 
         def tables() -> Iterator[pa.Table]:

@@ -118,15 +118,37 @@ def test_parquet_input_with_bad_rows_records_errors_and_goes_on(llm, oracle, tmp
 def test_malformed_jsonl_lines_are_row_errors(llm, oracle, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text(f'{{"prompt": "{PROMPTS[0]}"}}\n\n{{"prompt": \n[1, 2]\n'
-                   f'{{"prompt": "{PROMPTS[1]}", "id": 7, "seed": "x"}}\n')
+                   f'{{"prompt": "{PROMPTS[1]}", "id": 7, "seed": "x"}}\n{{"prompt": 5}}\n')
     out = tmp_path / "out.parquet"
     _run(llm, src, out)
     got = _read(out)
-    assert [r["id"] for r in got] == ["0", "1", "2", "7"]
+    assert [r["id"] for r in got] == ["0", "1", "2", "7", "4"]
     assert got[0]["text"] == oracle[PROMPTS[0]]
     assert "line 3 is not valid JSON" in got[1]["error"]
     assert "line 4 is a JSON list; expected an object" in got[2]["error"]
     assert "seed: got 'x'" in got[3]["error"]
+    assert "prompt: got 5; expected text" in got[4]["error"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--input", "in.csv"], "unknown format '.csv'"),
+    (["--input", "missing.jsonl"], "'missing.jsonl' does not exist"),
+    (["--output", "out.csv"], "expected a path ending in .parquet"),
+    (["--window", "0"], "--window 0"),
+    (["--temperature", "-1"], "temperature: got -1.0"),
+])
+def test_bad_options_fail_before_a_cluster_starts(tmp_path, monkeypatch, capsys, args,
+                                                   message):
+    from cluster.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    _write_jsonl(tmp_path / "in.jsonl", [{"prompt": "hi"}])
+    (tmp_path / "in.csv").write_text("prompt\nhi\n")
+    defaults = {"--input": "in.jsonl", "--output": "out.parquet"}
+    given = dict(zip(args[::2], args[1::2]))
+    argv = [x for k, v in {**defaults, **given}.items() for x in (k, v)]
+    assert main(["batch", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_resume_after_an_interruption_writes_each_row_once(llm, oracle, tmp_path,
@@ -287,6 +309,15 @@ def _status(head: Head, job_id: str) -> str:
     return match.group(1)
 
 
+def _live_actors(head: Head) -> list[str]:
+    """The classes of the head's live actors (``ray list actors``)."""
+    done = subprocess.run([RAY, "list", "actors", "-f", "state=ALIVE", "--format", "json"],
+                          env=head.env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.strip()
+    return [a["class_name"] for a in json.loads(out)] if out.startswith("[") else []
+
+
 def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path):
     src = _write_jsonl(tmp_path / "prompts.jsonl",
                        [{"prompt": f"Item {i}: the number {i} is"} for i in range(JOB_ROWS)])
@@ -309,6 +340,7 @@ def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path)
     _job(ray_head, "stop", "batch-first")
     assert _status(ray_head, "batch-first") == "STOPPED"
     assert "batch: interrupted" in _job(ray_head, "logs", "batch-first")   # SIGTERM handled
+    assert not {"GlobalScheduler", "Worker"} & set(_live_actors(ray_head))
     assert not out.exists()
     flushed = pq.read_table(sorted(parts.glob("*.parquet"))).column("id").to_pylist()
     assert 0 < len(flushed) == len(set(flushed)) < JOB_ROWS
@@ -320,3 +352,4 @@ def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path)
     assert sorted(r["id"] for r in rows) == sorted(str(i) for i in range(JOB_ROWS))
     assert all(r["error"] is None and r["completion_tokens"] > 0 for r in rows)
     assert not parts.exists()
+    assert not {"GlobalScheduler", "Worker"} & set(_live_actors(ray_head))
