@@ -164,8 +164,10 @@ class OutputStore:
     def merge(self) -> int:
         """Replace the output with the output plus every part (each id once); returns
         the number of rows. The parts are removed only after the rename."""
-        if self.output.is_file() and not self._part_files():
-            return pq.ParquetFile(self.output).metadata.num_rows   # nothing new
+        if self.output.is_file() and not self._part_files():   # nothing new
+            shutil.rmtree(self.parts, ignore_errors=True)
+            return pq.ParquetFile(self.output).metadata.num_rows
+        self.output.parent.mkdir(parents=True, exist_ok=True)
         written: set[str] = set()
 
         def tables() -> Iterator[pa.Table]:

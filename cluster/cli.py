@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--stop", action="append", metavar="TEXT",
                        help="a stop string (repeat for several)")
     batch.add_argument("--window", type=int, default=256,
-                       help="requests kept in flight, so the workers stay busy (default: 256)")
+                       help="requests kept in flight, so the workers stay busy (default: 256; "
+                       "at most the config's cluster.max_waiting)")
     batch.add_argument("--flush-rows", type=int, default=256,
                        help="write finished rows to a part file every N rows (default: 256)")
     batch.add_argument("--flush-seconds", type=float, default=10.0,
