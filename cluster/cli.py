@@ -80,6 +80,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from cluster.batch import main as batch_main
+
+    return batch_main(args)
+
+
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     # benchmarks/ lives in the repository, not in the installed package: import it only here.
     try:
@@ -125,6 +131,42 @@ def build_parser() -> argparse.ArgumentParser:
                      "serving.model_name, else the checkpoint's name)")
     _add_common(srv)
     srv.set_defaults(func=_cmd_serve)
+    batch = sub.add_parser(
+        "batch", help="run a JSONL or Parquet file of prompts into a Parquet file of results",
+        description="Offline inference over a file of prompts on a Ray cluster (1 prefill + 1 "
+        "decode worker unless --config names pools; inside `ray job submit` it joins that "
+        "cluster). Input columns: id (optional; default: the row number), prompt (text) or "
+        "messages (chat: a list of {role, content}), and optional per-row sampling columns "
+        "(max_tokens, min_tokens, temperature, top_p, top_k, min_p, seed, stop, "
+        "repetition_penalty, presence_penalty, frequency_penalty, ignore_eos) that override "
+        "the defaults below. Output columns: id, row, text, finish_reason, prompt_tokens, "
+        "completion_tokens, error (null unless the row was refused). Rows whose id is "
+        "already in the output are skipped: rerun the same command to resume.")
+    batch.add_argument("--input", required=True, metavar="FILE",
+                       help="prompts: .jsonl (one JSON object per line) or .parquet")
+    batch.add_argument("--output", required=True, metavar="FILE",
+                       help="results .parquet; finished rows are flushed to FILE.parts/ "
+                       "and merged into FILE at the end")
+    batch.add_argument("--max-tokens", type=int, default=128,
+                       help="most tokens to generate per row (default: 128)")
+    batch.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature; 0 is greedy (default: 0)")
+    batch.add_argument("--top-p", type=float, default=1.0,
+                       help="nucleus sampling mass (default: 1)")
+    batch.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 is off (default)")
+    batch.add_argument("--seed", type=int, default=None, help="per-row sampling seed")
+    batch.add_argument("--stop", action="append", metavar="TEXT",
+                       help="a stop string (repeat for several)")
+    batch.add_argument("--window", type=int, default=256,
+                       help="requests kept in flight, so the workers stay busy (default: 256; "
+                       "at most the config's cluster.max_waiting)")
+    batch.add_argument("--flush-rows", type=int, default=256,
+                       help="write finished rows to a part file every N rows (default: 256)")
+    batch.add_argument("--flush-seconds", type=float, default=10.0,
+                       help="... or at least this often while rows finish (default: 10)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_common(batch)
+    batch.set_defaults(func=_cmd_batch)
     bench = sub.add_parser("bench", help="run a benchmark (from the repository root)",
                            description="Benchmarks in benchmarks/; run from the repository root.")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)

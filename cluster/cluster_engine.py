@@ -15,6 +15,7 @@ import contextvars
 import dataclasses
 import itertools
 import logging
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Sequence
@@ -22,7 +23,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.config import EngineConfig, WorkerPoolConfig
 from cluster.engine import resolve_max_model_len, tokenize_prompt
@@ -38,6 +39,8 @@ from workers.worker import Worker, WorkerInfo, WorkerSpec
 log = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # a long-poll for outputs returns at least this often
+_STALE_GRACE_S = 5.0  # how long a scheduler's workers may take to be noticed dead
+_STALE_POLL_S = 0.25
 NAMESPACE = "llm-cluster"  # where the named schedulers live, whatever the driver's namespace
 
 
@@ -281,19 +284,34 @@ class ClusterEngine(ClusterClient):
                 for (wid, actor), info in zip(self.workers.items(), infos)]
 
     def _start_scheduler(self, refs: list[WorkerRef]) -> Any:
-        """The global scheduler as a named, detached async actor."""
+        """The global scheduler as a named, detached async actor. One of the same name
+        left behind by a killed driver (all its workers dead) is replaced."""
         cc, cfg = self.config.cluster, self.config
-        try:
+        name = scheduler_name(cc.name)
+
+        def create() -> Any:
             return ray.remote(GlobalScheduler).options(
-                name=scheduler_name(cc.name), namespace=NAMESPACE, lifetime="detached",
+                name=name, namespace=NAMESPACE, lifetime="detached",
                 num_cpus=0, max_concurrency=10_000).remote(
                 refs, cfg.scheduler, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                 self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
                 cc.max_waiting, cc.transfer_timeout_s)
+
+        try:
+            return create()
         except ValueError as e:
-            raise ValueError(f"cluster.name: a scheduler named {scheduler_name(cc.name)!r} "
-                             "already runs on this Ray instance; shut it down or pick "
-                             "another cluster.name") from e
+            if not _remove_stale_scheduler(name):
+                raise ValueError(f"cluster.name: a scheduler named {name!r} already runs "
+                                 "on this Ray instance with live workers; shut it down or "
+                                 "pick another cluster.name") from e
+        deadline = time.monotonic() + _STALE_GRACE_S
+        while True:   # a killed actor's name is freed asynchronously
+            try:
+                return create()
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(_STALE_POLL_S)
 
     # ---- shutdown --------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -308,6 +326,32 @@ class ClusterEngine(ClusterClient):
     def _kill_workers(self) -> None:
         for actor in self.workers.values():
             ray.kill(actor)
+
+
+def _remove_stale_scheduler(name: str) -> bool:
+    """Kill the scheduler ``name`` if none of its workers is alive: its driver died
+    without shutting it down (the scheduler is detached, its workers are not). Returns
+    whether the name is free (or soon will be); False when the scheduler still serves."""
+    try:
+        old = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return True   # gone meanwhile
+    deadline = time.monotonic() + _STALE_GRACE_S
+    while True:
+        try:
+            stats = ray.get(old.stats.remote(), timeout=_STALE_GRACE_S)
+        except RayActorError:
+            return True
+        except GetTimeoutError:
+            return False   # busy, not dead: leave it alone
+        if not any(w["alive"] for w in stats["workers"]):
+            log.warning("replacing scheduler %s: all its workers are dead (its driver "
+                        "exited without shutting it down)", name)
+            ray.kill(old)
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_STALE_POLL_S)
 
 
 def _launch(spec: WorkerSpec, pool: WorkerPoolConfig) -> Any:

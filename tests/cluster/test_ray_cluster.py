@@ -319,3 +319,19 @@ def test_a_second_scheduler_of_the_same_name_and_n_above_one_are_refused(tiny_fa
     with pytest.raises(ValueError, match="n: got 2; the cluster runs n=1 only"):
         engine.add_request("x", None, [5, 6, 7], SamplingParams(n=2))
     assert engine.stats()["num_requests"] == 0
+
+
+def test_a_scheduler_left_behind_by_a_dead_driver_is_replaced(tiny_factory, ray_instance):
+    """A killed driver takes its workers with it but not the detached scheduler; the
+    next cluster of that name replaces the scheduler instead of refusing to start."""
+    model = tiny_factory("llama").path
+    config = _config(model, LAYOUTS["mixed"])
+    stale = ClusterEngine(config)
+    for actor in stale.workers.values():
+        ray_instance.kill(actor)
+    engine = ClusterEngine(config)
+    try:
+        prompts = _prompts(3)
+        assert _run(engine, prompts) == _local(model, prompts)
+    finally:
+        engine.shutdown()

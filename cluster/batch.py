@@ -1,0 +1,238 @@
+"""``python -m cluster batch``: offline inference over a file of prompts.
+
+The job streams the input (``batch_io``), keeps a bounded window of requests in the
+engine at all times so the workers never run dry between chunks, and flushes finished
+rows to part files every few rows or seconds. A bad row (empty or too long prompt,
+malformed messages, invalid sampling values) becomes a row with an ``error`` and no
+text; the job goes on. Rows whose id is already in the output are skipped, so running
+the same command again after an interruption finishes the job without repeating
+work, and greedy decoding (the default) gives the same text either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from cluster.batch_io import (
+    SAMPLING_COLUMNS,
+    InputRow,
+    OutputStore,
+    ResultRow,
+    count_rows,
+    input_format,
+    read_rows,
+)
+from cluster.config import ClusterConfig, EngineConfig, load_config, with_default_pools
+from cluster.llm import LLM
+from cluster.outputs import RequestOutput
+from scheduler.protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BatchOptions:
+    input: Path
+    output: Path
+    sampling: dict[str, Any] = field(default_factory=dict)  # for rows that leave a field out
+    window: int = 256          # requests in flight; enough to fill every worker's batch
+    flush_rows: int = 256      # finished rows per part file ...
+    flush_s: float = 10.0      # ... or fewer, once this many seconds have passed
+    progress: bool = True
+
+    def check(self) -> None:
+        """Refuse bad options before a cluster is started for them."""
+        if self.window < 1 or self.flush_rows < 1 or self.flush_s <= 0:
+            raise ValueError(f"--window {self.window}, --flush-rows {self.flush_rows}, "
+                             f"--flush-seconds {self.flush_s}: each must be > 0")
+        input_format(self.input)
+        OutputStore(self.output)
+        SamplingParams(**self.sampling)
+
+
+@dataclass
+class BatchSummary:
+    rows: int = 0              # rows in the output at the end
+    new: int = 0               # rows this run finished (errors included)
+    errors: int = 0
+    skipped: int = 0           # already in the output
+    duplicates: int = 0        # input rows whose id an earlier row already had
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+    def line(self, output: Path) -> str:
+        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
+        return (f"batch: {self.rows} rows in {output} ({self.new} new, {self.errors} errors, "
+                f"{self.skipped} already done, {self.duplicates} duplicate ids skipped); "
+                f"{self.completion_tokens} output tokens in {self.seconds:.1f} s "
+                f"({rate:.1f} tok/s)")
+
+
+def batch_config(config: EngineConfig, output: Path) -> EngineConfig:
+    """The cluster a batch job runs: the config's pools or 1 prefill + 1 decode worker.
+    Left at the default name, the scheduler is named after the output file: jobs on
+    other outputs never collide, and a resumed job finds (and replaces) the scheduler
+    a killed run of the same job left behind."""
+    config = with_default_pools(config)
+    if config.cluster.name != ClusterConfig.name:
+        return config
+    digest = hashlib.sha1(str(output.resolve()).encode()).hexdigest()[:12]
+    return dataclasses.replace(
+        config, cluster=dataclasses.replace(config.cluster, name=f"batch-{digest}"))
+
+
+def run_batch(llm: LLM, opts: BatchOptions) -> BatchSummary:
+    """Run every input row not yet in the output through ``llm``; merge the output."""
+    opts.check()
+    store = OutputStore(opts.output)
+    done = store.done_ids()
+    engine = llm.engine
+    window = min(opts.window, llm.config.cluster.max_waiting)
+    summary = BatchSummary()
+    inflight: dict[str, InputRow] = {}
+    pending: list[ResultRow] = []
+    taken: set[str] = set()
+    rows = read_rows(opts.input)
+    bar = tqdm(total=count_rows(opts.input), unit="row", disable=not opts.progress,
+               desc="batch", mininterval=1.0)
+    start = last_flush = time.monotonic()
+
+    def finish(result: ResultRow) -> None:
+        pending.append(result)
+        summary.new += 1
+        summary.errors += result.error is not None
+        summary.completion_tokens += result.completion_tokens or 0
+        rate = summary.completion_tokens / max(time.monotonic() - start, 1e-9)
+        bar.set_postfix_str(f"{rate:.1f} tok/s, {summary.errors} errors", refresh=False)
+        bar.update(1)
+
+    try:
+        exhausted = False
+        while not exhausted or inflight:
+            while not exhausted and len(inflight) < window:
+                row = next(rows, None)
+                if row is None:
+                    exhausted = True
+                elif row.id in done:
+                    summary.skipped += 1
+                    bar.update(1)
+                elif row.id in taken:
+                    log.warning("input row %d: id %r repeats an earlier row; skipped",
+                                row.index, row.id)
+                    summary.duplicates += 1
+                    bar.update(1)
+                else:
+                    taken.add(row.id)
+                    request_id = f"batch-{row.index}"
+                    error = _submit(llm, request_id, row, opts.sampling)
+                    if error is None:
+                        inflight[request_id] = row
+                    else:
+                        finish(ResultRow(row.id, row.index, None, None, None, None, error))
+            for out in engine.step() if inflight else []:
+                if out.finished:
+                    finish(_result(inflight.pop(out.request_id), out))
+            now = time.monotonic()
+            if len(pending) >= opts.flush_rows or (pending and now - last_flush >= opts.flush_s):
+                store.write_part(pending)
+                pending.clear()
+                last_flush = now
+    finally:
+        store.write_part(pending)   # keep what is finished, however the loop ended
+        for request_id in inflight:
+            engine.abort_request(request_id)
+        bar.close()
+    summary.seconds = time.monotonic() - start
+    summary.rows = store.merge()
+    return summary
+
+
+def _submit(llm: LLM, request_id: str, row: InputRow, defaults: dict[str, Any]) -> str | None:
+    """Add ``row`` to the engine; returns why it cannot run, if it cannot."""
+    engine = llm.engine
+    if row.error is not None:
+        return row.error
+    try:
+        params = SamplingParams(**{**defaults, **{k: v for k, v in row.fields.items()
+                                                  if k in SAMPLING_COLUMNS and v is not None}})
+        prompt, messages = row.fields.get("prompt"), row.fields.get("messages")
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat) per "
+                             f"row; this row has {'both' if prompt is not None else 'neither'}")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt: got {prompt!r}; expected text")
+        if messages is not None:
+            prompt = _chat_text(llm, messages)
+        text, token_ids = engine.tokenize_prompt(prompt, add_special_tokens=messages is None)
+        engine.add_request(request_id, text, token_ids, params)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+def _chat_text(llm: LLM, messages: Any) -> str:
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer, so it has no chat template; give "
+                         "'prompt' instead of 'messages'")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
+            and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError(f"messages: got {messages!r}; expected a non-empty list of "
+                         "{'role': str, 'content': str}")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _result(row: InputRow, out: RequestOutput) -> ResultRow:
+    completion = out.outputs[0]
+    return ResultRow(row.id, row.index, completion.text, completion.finish_reason,
+                     len(out.prompt_token_ids), len(completion.token_ids), None)
+
+
+# ---- the command -----------------------------------------------------------------------
+def options_from_args(args: argparse.Namespace) -> BatchOptions:
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                "stop": args.stop or []}
+    return BatchOptions(Path(args.input), Path(args.output), sampling, args.window,
+                        args.flush_rows, args.flush_seconds, not args.no_progress)
+
+
+def main(args: argparse.Namespace) -> int:
+    """``python -m cluster batch``: 0 when every row is in the output (some perhaps with
+    an error), 130 when interrupted (run the same command again to resume)."""
+    opts = options_from_args(args)
+    opts.check()
+    llm = None
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        llm = LLM(args.model, config=batch_config(load_config(args.config), opts.output))
+        # `ray job stop` sends SIGTERM. Set after ray.init, whose own handler would
+        # otherwise replace this one and kill the driver before it stops its actors.
+        signal.signal(signal.SIGTERM, _interrupt)
+        summary = run_batch(llm, opts)
+    except KeyboardInterrupt:
+        print(f"batch: interrupted; finished rows are kept in {opts.output}.parts/, run the "
+              "same command again to resume", file=sys.stderr)
+        return 130
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        signal.signal(signal.SIGTERM, previous)
+    print(summary.line(opts.output), file=sys.stderr)
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
