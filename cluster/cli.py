@@ -19,6 +19,17 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="WARNING", help="logging level (default: WARNING)")
 
 
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    """The sampling options every generating command takes (a request's, or a row's
+    default)."""
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="most tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from cluster.llm import LLM
     from scheduler.protocol import SamplingParams
@@ -107,12 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one prompt offline and print the text",
                          description="Run one prompt through the model in this process.")
     gen.add_argument("prompt", help="the user's message (chat-templated unless --raw)")
-    gen.add_argument("--max-tokens", type=int, default=128,
-                     help="most tokens to generate (default: 128)")
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="sampling temperature; 0 is greedy (default: 0)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
-    gen.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    _add_sampling(gen)
     gen.add_argument("--raw", action="store_true",
                      help="send the prompt as plain text, without the chat template")
     _add_common(gen)
@@ -147,14 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--output", required=True, metavar="FILE",
                        help="results .parquet; finished rows are flushed to FILE.parts/ "
                        "and merged into FILE at the end")
-    batch.add_argument("--max-tokens", type=int, default=128,
-                       help="most tokens to generate per row (default: 128)")
-    batch.add_argument("--temperature", type=float, default=0.0,
-                       help="sampling temperature; 0 is greedy (default: 0)")
-    batch.add_argument("--top-p", type=float, default=1.0,
-                       help="nucleus sampling mass (default: 1)")
+    _add_sampling(batch)
     batch.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 is off (default)")
-    batch.add_argument("--seed", type=int, default=None, help="per-row sampling seed")
     batch.add_argument("--stop", action="append", metavar="TEXT",
                        help="a stop string (repeat for several)")
     batch.add_argument("--window", type=int, default=256,
