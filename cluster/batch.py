@@ -33,6 +33,7 @@ from cluster.batch_io import (
     input_format,
     read_rows,
 )
+from cluster.cli import interrupt
 from cluster.config import ClusterConfig, EngineConfig, load_config, with_default_pools
 from cluster.llm import LLM
 from cluster.outputs import RequestOutput
@@ -220,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
         llm = LLM(args.model, config=batch_config(load_config(args.config), opts.output))
         # `ray job stop` sends SIGTERM. Set after ray.init, whose own handler would
         # otherwise replace this one and kill the driver before it stops its actors.
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, interrupt)
         summary = run_batch(llm, opts)
     except KeyboardInterrupt:
         print(f"batch: interrupted; finished rows are kept in {opts.output}.parts/, run the "
@@ -232,7 +233,3 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print(summary.line(opts.output), file=sys.stderr)
     return 0
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

@@ -48,8 +48,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
+def interrupt(signum: int, _frame: object) -> None:
+    """A SIGTERM handler: stop as on Ctrl-C, so the same cleanup runs."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -71,7 +72,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         serving=dataclasses.replace(config.serving, **serving))
     sv = config.serving
     ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=True)
-    signal.signal(signal.SIGTERM, _interrupt)   # stop as on Ctrl-C, cleaning up alike
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         serve.start(http_options={"host": sv.host, "port": sv.port})
         serve.run(app_for(config), name="llm", route_prefix="/")
