@@ -46,8 +46,8 @@ HOST = "127.0.0.1"
 PROJECT, PEER = "cluster", "transformers"
 # The issue's target, checked at this client count.
 TARGET_CLIENTS, TARGET_THROUGHPUT_RATIO = 32, 3.0
-# Upper bound of a prompt's tokens with the chat template (~70 here), to size the peer's KV.
-PROMPT_TOKENS_BOUND = 128
+# The peer's KV cache: the memory each cluster worker's pool gets on a CPU by default.
+PEER_KV_BYTES = 2 << 30
 PEER_PAGE_SIZE = 256  # transformers' default continuous-batching page
 PEER_MAX_BATCH_TOKENS = 2048  # the cluster's max_num_batched_tokens
 SUBJECTS = ("a lighthouse keeper", "a young dragon", "a retired astronaut", "a clockmaker",
@@ -293,15 +293,25 @@ def project_spec(port: int, config: str | None) -> ServerSpec:
     return ServerSpec(PROJECT, argv, {"PYTHONPATH": path})
 
 
-def peer_spec(port: int, max_clients: int, max_tokens: int) -> ServerSpec:
+def peer_kv_blocks(config: dict[str, Any], kv_bytes: int = PEER_KV_BYTES) -> int:
+    """Whole-model fp32 KV blocks of ``PEER_PAGE_SIZE`` tokens (transformers' ``num_blocks``
+    unit) that fit in ``kv_bytes``, from the checkpoint's config.json."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    block_bytes = (2 * 4 * config["num_hidden_layers"] * PEER_PAGE_SIZE
+                   * config["num_key_value_heads"] * head_dim)  # K and V, 4 bytes each
+    return kv_bytes // block_bytes
+
+
+def peer_spec(port: int) -> ServerSpec:
     """``transformers serve --continuous-batching`` on the engine's HF conversion of the
-    default GGUF, offline, fp32, 2 threads, its default attention; its KV cache sized to
-    hold every client's request at once (left alone it takes a share of the machine's RAM)."""
+    default GGUF, offline, fp32, 2 threads, its default attention. Its KV cache gets what
+    a cluster worker's gets (left alone it takes most of the machine's RAM; sized for only
+    the requests in flight it stalls new ones at 64 clients)."""
     from benchmarks.peers.common import NUM_THREADS, default_hf_dir
 
-    model = str(default_hf_dir())
-    blocks = max_clients * math.ceil((PROMPT_TOKENS_BOUND + max_tokens) / PEER_PAGE_SIZE) + 1
-    argv = [str(Path(sys.executable).with_name("transformers")), "serve", model,
+    model = default_hf_dir()
+    blocks = peer_kv_blocks(json.loads((model / "config.json").read_text(encoding="utf-8")))
+    argv = [str(Path(sys.executable).with_name("transformers")), "serve", str(model),
             "--continuous-batching", "--device", "cpu", "--dtype", "float32",
             "--cb-num-blocks", str(blocks),
             "--cb-max-batch-tokens", str(PEER_MAX_BATCH_TOKENS),
@@ -311,7 +321,8 @@ def peer_spec(port: int, max_clients: int, max_tokens: int) -> ServerSpec:
     # After SIGINT uvicorn stops but the process stays (the continuous-batching thread is
     # never stopped), so it is killed soon.
     return ServerSpec(PEER, argv, {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads,
-                                   "MKL_NUM_THREADS": threads}, model=model, stop_grace_s=10.0)
+                                   "MKL_NUM_THREADS": threads}, model=str(model),
+                      stop_grace_s=10.0)
 
 
 def _get(url: str, timeout_s: float) -> tuple[int, bytes]:
@@ -483,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.path.insert(0, str(REPO_ROOT))
     specs = [project_spec(free_port(), args.config)]
     if not args.skip_peer:
-        specs.append(peer_spec(free_port(), max(args.clients), args.max_tokens))
+        specs.append(peer_spec(free_port()))
     runs = {spec.name: measure(spec, args) for spec in specs}
     if args.json:
         print(json.dumps({name: {"levels": [asdict(s) for s in run["levels"]]} if "levels" in run

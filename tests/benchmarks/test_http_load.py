@@ -121,3 +121,11 @@ def test_prompts_are_fixed_by_the_seed_and_distinct():
     a = hl.make_prompts(64, seed=3)
     assert a == hl.make_prompts(64, seed=3) and len(set(a)) == 64
     assert a != hl.make_prompts(64, seed=4)
+
+
+def test_peer_kv_blocks_match_the_cluster_worker_pool():
+    smollm2 = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "num_hidden_layers": 30}
+    # One block: K and V, fp32, 30 layers, 256 tokens, 3 KV heads of 64 = 11,796,480 bytes.
+    assert hl.peer_kv_blocks(smollm2) == (2 << 30) // 11_796_480 == 182
+    assert hl.peer_kv_blocks({**smollm2, "head_dim": 128}) == 91
