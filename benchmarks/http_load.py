@@ -305,8 +305,8 @@ def peer_kv_blocks(config: dict[str, Any], kv_bytes: int = PEER_KV_BYTES) -> int
 def peer_spec(port: int) -> ServerSpec:
     """``transformers serve --continuous-batching`` on the engine's HF conversion of the
     default GGUF, offline, fp32, 2 threads, its default attention. Its KV cache gets what
-    a cluster worker's gets (left alone it takes most of the machine's RAM; sized for only
-    the requests in flight it stalls new ones at 64 clients)."""
+    a cluster worker's gets (left alone it takes 90% of the machine's RAM; sized for only
+    the requests in flight it stalled new ones at 64 clients)."""
     from benchmarks.peers.common import NUM_THREADS, default_hf_dir
 
     model = default_hf_dir()
