@@ -471,8 +471,8 @@ def measure(spec: ServerSpec, args: argparse.Namespace) -> dict[str, Any]:
         return {"error": str(e).splitlines()[0]}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -488,8 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    args = build_parser(prog).parse_args(argv)
     if str(REPO_ROOT) not in sys.path:  # run as a script: the benchmarks package is here
         sys.path.insert(0, str(REPO_ROOT))
     specs = [project_spec(free_port(), args.config)]
@@ -500,11 +500,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps({name: {"levels": [asdict(s) for s in run["levels"]]} if "levels" in run
                           else run for name, run in runs.items()} |
                          {"ratios": [asdict(c) for c in comparisons_of(runs)]}, indent=1))
-        return
+        return 0
     print(f"{time.strftime('%Y-%m-%d')}: {args.requests_per_client} requests per client, "
           f"max_tokens {args.max_tokens}, greedy, at most {args.timeout_s:.0f} s per level\n")
     print(report(runs))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
@@ -98,17 +99,27 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     return batch_main(args)
 
 
-def _cmd_bench_offline(args: argparse.Namespace) -> int:
+# `python -m cluster bench NAME` -> the benchmark's module in benchmarks/, and its help line
+BENCHMARKS = {
+    "offline": ("offline", "offline throughput against HF transformers and llama.cpp, the "
+                "roofline, memory and a concurrency sweep (--help for its options)"),
+    "http": ("http_load", "HTTP load: concurrent streaming clients against `transformers "
+             "serve --continuous-batching` (--help for its options)"),
+}
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
     # benchmarks/ lives in the repository, not in the installed package: import it only here.
+    module = f"benchmarks.{BENCHMARKS[args.benchmark][0]}"
     try:
-        from benchmarks.offline import main as bench_offline
+        bench = importlib.import_module(module)
     except ModuleNotFoundError as e:
-        if e.name not in ("benchmarks", "benchmarks.offline"):
+        if e.name not in ("benchmarks", module):
             raise
-        print("error: the benchmarks package is not importable; run `python -m cluster bench "
-              "offline` from the repository root", file=sys.stderr)
+        print(f"error: the benchmarks package is not importable; run `python -m cluster bench "
+              f"{args.benchmark}` from the repository root", file=sys.stderr)
         return 2
-    return bench_offline(args.bench_args, prog="python -m cluster bench offline")
+    return bench.main(args.bench_args, prog=f"python -m cluster bench {args.benchmark}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,18 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark (from the repository root)",
                            description="Benchmarks in benchmarks/; run from the repository root.")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
-    offline = bench_sub.add_parser(
-        "offline", add_help=False, help="offline throughput against HF transformers and "
-        "llama.cpp, the roofline, memory and a concurrency sweep (--help for its options)")
-    offline.set_defaults(func=_cmd_bench_offline, log_level="WARNING")
+    for name, (_, help_text) in BENCHMARKS.items():
+        bench_sub.add_parser(name, add_help=False, help=help_text).set_defaults(
+            func=_cmd_bench, log_level="WARNING")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    # `bench offline` hands everything after it to the benchmark's own parser.
+    # `bench NAME` hands everything after it to the benchmark's own parser.
     args, rest = parser.parse_known_args(argv)
-    if args.func is _cmd_bench_offline:
+    if args.func is _cmd_bench:
         args.bench_args = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

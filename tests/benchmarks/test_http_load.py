@@ -129,3 +129,13 @@ def test_peer_kv_blocks_match_the_cluster_worker_pool():
     # One block: K and V, fp32, 30 layers, 256 tokens, 3 KV heads of 64 = 11,796,480 bytes.
     assert hl.peer_kv_blocks(smollm2) == (2 << 30) // 11_796_480 == 182
     assert hl.peer_kv_blocks({**smollm2, "head_dim": 128}) == 91
+
+
+@pytest.mark.parametrize("name", ["offline", "http"])
+def test_the_cli_hands_its_arguments_to_the_benchmark(name, capsys):
+    from cluster.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", name, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: python -m cluster bench {name}" in capsys.readouterr().out
