@@ -12,7 +12,6 @@ choice, ``seed + index`` when seeded. ``build_app`` is the import path for
 import asyncio
 import dataclasses
 import json
-import logging
 import os
 import time
 import uuid
@@ -53,8 +52,6 @@ from scheduler.global_scheduler import NoWorkersError, OverloadedError
 from scheduler.protocol import SamplingParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
 from workers.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 MAX_CHOICES = 128
