@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import logging
 import sys
@@ -61,16 +60,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.config import load_config, with_default_pools
+    from cluster.config import load_config, with_default_pools, with_overrides
     from cluster.serve_app import app_for, served_model_name
 
-    config = with_default_pools(load_config(args.config))
-    serving = {k: v for k, v in (("host", args.host), ("port", args.port),
-                                 ("api_key", args.api_key), ("model_name", args.served_name))
-               if v is not None}
-    config = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, path=args.model or config.model.path),
-        serving=dataclasses.replace(config.serving, **serving))
+    flags = {("model", "path"): args.model, ("serving", "host"): args.host,
+             ("serving", "port"): args.port, ("serving", "api_key"): args.api_key,
+             ("serving", "model_name"): args.served_name}
+    config = with_default_pools(with_overrides(
+        load_config(args.config), {k: v for k, v in flags.items() if v is not None}))
     sv = config.serving
     ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=True)
     signal.signal(signal.SIGTERM, interrupt)

@@ -170,6 +170,15 @@ class EngineConfig:
     serving: ServingConfig = field(default_factory=ServingConfig)
 
 
+def with_overrides(config: EngineConfig, overrides: dict[tuple[str, str], Any]) -> EngineConfig:
+    """``config`` with ``(section, field)`` values replaced, validated as the YAML is
+    (errors name ``section.field``): how ``LLM`` keywords and CLI flags override it."""
+    data = dataclasses.asdict(config)
+    for (section, name), value in overrides.items():
+        data[section][name] = value
+    return config_from_dict(data)
+
+
 def with_default_pools(config: EngineConfig) -> EngineConfig:
     """The config to serve with: the given one, or, when it names no worker pools, the
     same with one prefill and one decode worker of one CPU each (what ``serve`` and

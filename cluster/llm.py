@@ -8,7 +8,6 @@ without leaving half the batch running.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from cluster.cluster_engine import ClusterEngine
-from cluster.config import EngineConfig, config_from_dict, load_config
+from cluster.config import EngineConfig, load_config, with_overrides
 from cluster.engine import LocalEngine
 from cluster.outputs import RequestOutput
 from scheduler.protocol import SamplingParams
@@ -58,7 +57,7 @@ class LLM:
         base = config if isinstance(config, EngineConfig) else load_config(config)
         if model is not None:
             kwargs["model"] = model
-        self.config = _with_overrides(base, kwargs)
+        self.config = with_overrides(base, {_OVERRIDES[k]: v for k, v in kwargs.items()})
         self.engine: LocalEngine | ClusterEngine = (
             ClusterEngine(self.config) if self.config.cluster.pools else LocalEngine(self.config))
         self._ids = itertools.count()
@@ -155,12 +154,3 @@ def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
         raise ValueError(f"got {len(sps)} sampling params for {n} prompts; give one, or one "
                          "per prompt")
     return sps
-
-
-def _with_overrides(base: EngineConfig, kwargs: dict[str, Any]) -> EngineConfig:
-    data = {name: dataclasses.asdict(getattr(base, name))
-            for name in ("model", "cache", "scheduler", "cluster", "serving")}
-    for key, value in kwargs.items():
-        section, fieldname = _OVERRIDES[key]
-        data[section][fieldname] = value
-    return config_from_dict(data)

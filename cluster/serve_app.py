@@ -33,6 +33,7 @@ from cluster.config import (
     config_from_dict,
     load_config,
     with_default_pools,
+    with_overrides,
 )
 from cluster.metrics import RouterMetrics
 from cluster.openai_protocol import (
@@ -489,8 +490,7 @@ def build_app(args: dict[str, Any] | None = None) -> serve.Application:
     args = dict(args or {})
     config = load_config(args.pop("config", None))
     if "model" in args:
-        config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, path=args.pop("model")))
+        config = with_overrides(config, {("model", "path"): args.pop("model")})
     if args:
         raise ValueError(f"build_app: unknown argument(s) {', '.join(sorted(args))}; "
                          "allowed: config, model")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable
+
 import pytest
 
 
@@ -18,3 +21,19 @@ def ray_instance():
         yield ray
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def free_ports() -> Callable[[int], list[int]]:
+    """``free_ports(n)``: n distinct ports free on 127.0.0.1 (all bound at once, so no
+    two are the same), for servers the tests start."""
+    def get(n: int) -> list[int]:
+        socks = [socket.socket() for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+        for s in socks:
+            s.close()
+        return ports
+
+    return get

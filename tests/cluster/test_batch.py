@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -222,16 +221,6 @@ class Head:
     env: dict[str, str]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _session_pids(sid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
@@ -245,11 +234,11 @@ def _session_pids(sid: int) -> list[int]:
 
 
 @pytest.fixture
-def ray_head() -> Iterator[Head]:
+def ray_head(free_ports) -> Iterator[Head]:
     """A head node of our own (own ports, temp dir and session), apart from the test
     session's Ray instance; stopped by killing exactly its processes, never `ray stop`."""
     temp_dir = tempfile.mkdtemp(prefix="rb-", dir="/tmp")   # short: socket paths
-    gcs, dash, listen, grpc, metrics, env_agent, node, objects, client = _free_ports(9)
+    gcs, dash, listen, grpc, metrics, env_agent, node, objects, client = free_ports(9)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")
            and k != "PYTHONPATH"}   # the job must import the uploaded working dir
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 _START_TIMEOUT_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve_run(tmp_path: Path, port: int) -> list[str]:
@@ -47,8 +40,8 @@ def _cluster_serve(_: Path, port: int) -> list[str]:
 
 @pytest.mark.parametrize("command", [_cluster_serve, _serve_run],
                          ids=["python -m cluster serve", "serve run configs/serve.yaml"])
-def test_the_server_starts_answers_and_stops(command, tmp_path):
-    port = _free_port()
+def test_the_server_starts_answers_and_stops(command, tmp_path, free_ports):
+    (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(command(tmp_path, port), cwd=ROOT, env=env, stdout=log,

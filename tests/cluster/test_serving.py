@@ -10,7 +10,6 @@ request, for the 401 and overload tests.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -30,19 +29,13 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 _START_TIMEOUT_S = 300.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def server(ray_instance) -> Iterator[str]:
+def server(ray_instance, free_ports) -> Iterator[str]:
     from ray import serve
 
     from cluster.serve_app import app_for
 
-    port = _free_port()
+    (port,) = free_ports(1)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     main = with_default_pools(config_from_dict({
         "cache": {"kv_cache_bytes": 256 << 20},
