@@ -35,6 +35,7 @@ from benchmarks.peers.common import (
 )
 from benchmarks.plot import plot_sweep
 from benchmarks.workloads import QUICK, SWEEP, WORKLOAD_A, WORKLOAD_B, Shape, generate, sweep_size
+from kvcache.config import KV_DTYPES
 
 CONCURRENCY = (1, 4, 16, 64, 128)
 
@@ -73,6 +74,9 @@ def build_parser(prog: str = "python -m cluster bench offline") -> argparse.Argu
                         f"1 4 with --quick)")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help="the engine's KV budget (default: the engine's, 2 GiB on a CPU)")
+    p.add_argument("--kv-cache-dtype", default="float16", choices=KV_DTYPES,
+                   help="how the engine stores KV; compute stays fp32 (default: float16, "
+                        "which halves the bytes its attention reads; auto: the model's fp32)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds one peer run may take before it counts as failed")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
@@ -118,32 +122,49 @@ class Runner:
         return self._why_not_cache[peer.module]
 
 
-def memory_figure(entry: dict[str, Any], workload: Workload) -> dict[str, Any]:
-    """Peak concurrent sequences in the engine's KV budget against a contiguous cache of
-    one max-length slab per sequence, for the workload's longest request and for the
-    engine's served max_model_len."""
+def memory_figure(entry: dict[str, Any], workload: Workload, max_model_len: int) -> dict[str, Any]:
+    """Peak concurrent sequences in the engine's KV budget (bytes) against a contiguous
+    cache of one max-length slab per sequence in the same bytes: at the model's dtype, as
+    HF keeps its cache, for the workload's ``max_model_len`` (the target), for its longest
+    request and for the engine's served max_model_len; and at the engine's own KV dtype,
+    which isolates what paging alone gains."""
     if "result" not in entry:
         return {}
     x = entry["result"]["extra"]
     pool, served = x["kv_pool_tokens"], x["max_model_len"]
+    budget = pool * x["kv_bytes_per_token"]
+    model_bytes = x.get("model_dtype_kv_bytes_per_token", x["kv_bytes_per_token"])
     longest = max(len(p) + m for p, m in zip(workload.prompts, workload.max_tokens))
-    per_workload, per_served = pool // longest, pool // served
+    per_workload, per_longest, per_served = (budget // (n * model_bytes)
+                                             for n in (max_model_len, longest, served))
+    same_dtype = pool // max_model_len
     peak, util = x["peak_running"], x["kv_utilisation_at_peak"]
+    kv_dtype = x.get("kv_dtype", "model dtype")
     return {
         "kv_pool_tokens": pool, "peak_running": peak, "kv_utilisation_at_peak": util,
-        "contiguous_seqs_workload": per_workload, "contiguous_seqs_served": per_served,
+        "contiguous_seqs_workload": per_workload, "contiguous_seqs_longest": per_longest,
+        "contiguous_seqs_served": per_served,
+        "contiguous_seqs_same_dtype": same_dtype,
         "vs_contiguous_workload": peak / per_workload if per_workload else None,
+        "vs_contiguous_longest": peak / per_longest if per_longest else None,
         "vs_contiguous_served": peak / per_served if per_served else None,
+        "vs_contiguous_same_dtype": peak / same_dtype if same_dtype else None,
         "lines": [
-            f"KV budget: {pool:,} token slots ({pool * x['kv_bytes_per_token'] / report.GIB:.2f}"
-            f" GiB, {x['kv_bytes_per_token']:,} bytes per token, blocks of {x['block_size']}); "
+            f"KV budget: {budget / report.GIB:.2f} GiB = {pool:,} token slots of "
+            f"{x['kv_bytes_per_token']:,} bytes ({kv_dtype}, blocks of {x['block_size']}); "
             f"max_num_seqs {x['max_num_seqs']}, {x['preemptions']} preemptions",
             f"peak concurrent sequences in the paged cache: {peak}, with "
             f"{100 * util:.1f}% of allocated KV slots holding live tokens",
-            f"contiguous cache sized for the workload's longest request ({longest} tokens): "
-            f"{per_workload} sequences → paged holds {_times(peak, per_workload)}",
-            f"contiguous cache sized for the served max_model_len ({served} tokens): "
-            f"{per_served} sequences → paged holds {_times(peak, per_served)}"],
+            f"contiguous cache in the same bytes at the model's dtype ({model_bytes:,} bytes per "
+            f"token), sized for the workload's max_model_len ({max_model_len} tokens: longest "
+            f"prompt + longest output): {per_workload} sequences → paged holds "
+            f"{_times(peak, per_workload)}",
+            f"the same sized for the longest request this sample drew ({longest} tokens): "
+            f"{per_longest} sequences → paged holds {_times(peak, per_longest)}",
+            f"the same at the served max_model_len ({served} tokens): {per_served} sequences "
+            f"→ paged holds {_times(peak, per_served)}",
+            f"paging alone (a contiguous {kv_dtype} cache for the workload's max_model_len): "
+            f"{same_dtype} sequences → paged holds {_times(peak, same_dtype)}"],
     }
 
 
@@ -201,7 +222,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m cluster bench
     levels = args.concurrency or ((1, 4) if args.quick else CONCURRENCY)
     minimum = 4 if args.quick else 16
     vocab = json.loads((default_hf_dir() / "config.json").read_text())["vocab_size"]
-    run = Runner(set(args.skip), {"kv_cache_bytes": args.kv_cache_bytes}, args.timeout)
+    run = Runner(set(args.skip), {"kv_cache_bytes": args.kv_cache_bytes,
+                                  "kv_cache_dtype": args.kv_cache_dtype}, args.timeout)
     started = datetime.now(timezone.utc)
     results: dict[str, Any] = {"meta": {
         "command": " ".join([prog, *(argv if argv is not None else sys.argv[1:])]),
@@ -211,7 +233,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m cluster bench
     if args.only_workload in (None, "A"):
         a = generate(shapes["A"], n, args.seed, vocab)
         results["workload_a"] = {p.label: run(p, a, None, "A") for p in ALL}
-        results["memory"] = memory_figure(results["workload_a"][ENGINE_NO_CACHE.label], a)
+        results["memory"] = memory_figure(results["workload_a"][ENGINE_NO_CACHE.label], a,
+                                          shapes["A"].max_model_len)
     if args.only_workload in (None, "B"):
         b = generate(shapes["B"], n, args.seed, vocab)
         results["workload_b"] = {p.label: run(p, b, None, "B") for p in (ENGINE, ENGINE_NO_CACHE)}

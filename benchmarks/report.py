@@ -87,7 +87,7 @@ def checks(results: dict[str, Any]) -> list[Check]:
               ratio(batch1.get("hf_static_s"), batch1.get("engine_s")), 1.0),
         Check("scheduling + input preparation at 56–72 running", sched_prep, 0.05,
               at_least=False, unit="%"),
-        Check("concurrent sequences ÷ contiguous cache (Workload A max length)",
+        Check("concurrent sequences ÷ contiguous model-dtype cache, same bytes (A max_model_len)",
               memory.get("vs_contiguous_workload"), 4.0),
         Check("KV slots holding live tokens at peak", memory.get("kv_utilisation_at_peak"),
               0.95, unit="%"),

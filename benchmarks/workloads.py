@@ -26,6 +26,11 @@ class Shape:
     output_len: tuple[int, int]
     shared_prefix: int = 0
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request the shape allows: what a server must be configured for."""
+        return self.shared_prefix + self.prompt_len[1] + self.output_len[1]
+
 
 WORKLOAD_A = Shape(prompt_len=(32, 512), output_len=(16, 256))  # chat-like
 WORKLOAD_B = Shape(prompt_len=(16, 64), output_len=(64, 64), shared_prefix=400)  # system prompt

@@ -83,9 +83,10 @@ def step_split(records: Iterable[StepRecord]) -> dict[str, float | int]:
 
 def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None,
         enable_prefix_caching: bool = True, kv_cache_bytes: int | None = None,
-        roofline: bool = True) -> PeerResult:
+        kv_cache_dtype: str = "auto", roofline: bool = True) -> PeerResult:
     """Run the workload greedily with ``ignore_eos``; ``concurrency`` is max_num_seqs
-    (None: the engine's default). ``roofline=False`` skips timing the linear layers
+    (None: the engine's default); ``kv_cache_dtype`` is how the KV pool stores keys and
+    values (compute stays fp32). ``roofline=False`` skips timing the linear layers
     afterwards (a minute at Workload A's sizes), for runs that only need throughput."""
     from cluster.llm import LLM
     from scheduler.protocol import SamplingParams
@@ -93,7 +94,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
     torch.set_num_threads(NUM_THREADS)
     limits = {"max_num_seqs": concurrency} if concurrency else {}
     llm = LLM(device="cpu", enable_prefix_caching=enable_prefix_caching,
-              kv_cache_bytes=kv_cache_bytes, **limits)
+              kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, **limits)
     # Warmup (kernel build and first-call allocations); 8 tokens fill no cacheable block.
     llm.generate({"prompt_token_ids": prompts[0][:8]},
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -114,6 +115,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
         if roofline else None
     queried, hits = stats.queried_tokens - queried0, stats.hit_tokens - hit0
     runner, block_size = engine.runner, llm.config.cache.block_size
+    kv_bytes_per_token = runner.kv_shape.bytes_per_block // block_size
     extra = {
         "enable_prefix_caching": enable_prefix_caching,
         "max_num_seqs": llm.config.scheduler.max_num_seqs,
@@ -121,7 +123,11 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
         "max_model_len": engine.max_model_len,
         "block_size": block_size,
         "kv_pool_tokens": runner.num_blocks * block_size,
-        "kv_bytes_per_token": runner.kv_shape.bytes_per_block // block_size,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "kv_dtype": str(runner.kv_shape.dtype).removeprefix("torch."),
+        # What a token's KV takes at the model's dtype, as a contiguous HF cache keeps it.
+        "model_dtype_kv_bytes_per_token": kv_bytes_per_token // runner.kv_shape.dtype.itemsize
+        * runner.model.embed.dtype.itemsize,
         "prefix_hit_rate": hits / queried if queried else 0.0,
         "prefix_hit_tokens": hits,
         "preemptions": engine.scheduler.num_preemptions,
@@ -139,6 +145,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
         name=NAME if enable_prefix_caching else f"{NAME}_no_prefix_cache",
         num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
         output_tokens=output_tokens, elapsed_s=elapsed, peak_rss_bytes=peak_rss_bytes(),
-        notes=f"this engine, fp32, prefix caching {mode}, max_num_seqs "
+        notes=f"this engine, fp32 compute, {extra['kv_dtype']} KV cache, prefix caching {mode}, "
+              f"max_num_seqs "
               f"{extra['max_num_seqs']}, {extra['kv_pool_tokens']} KV token slots, greedy, "
               f"ignore_eos", extra=extra)

@@ -120,3 +120,24 @@ def test_report_checks_and_markdown():
     assert "| scheduling + input preparation at 56–72 running | 5.6% | < 5.0% | **FAIL** |" \
         in text
     assert "prefix-cache hit rate: 80.0%" in text and "- peak 300 sequences" in text
+
+
+def test_memory_figure_counts_contiguous_slabs_in_the_same_bytes():
+    """A 2,000-byte budget of fp16 KV (2 bytes a token here) holds 1,000 paged slots; a
+    contiguous fp32 cache (4 bytes a token) of 100-token slabs holds 5 sequences in those
+    bytes, a contiguous fp16 one 10, so a peak of 25 running is 5x and 2.5x."""
+    from benchmarks.offline import memory_figure
+    from benchmarks.peers.common import Workload
+
+    extra = {"kv_pool_tokens": 1000, "max_model_len": 500, "kv_bytes_per_token": 2,
+             "model_dtype_kv_bytes_per_token": 4, "kv_dtype": "float16", "block_size": 16,
+             "peak_running": 25, "kv_utilisation_at_peak": 0.97, "max_num_seqs": 256,
+             "preemptions": 0}
+    workload = Workload([[1] * 60, [1] * 30], [20, 10])  # longest request: 80 tokens
+    m = memory_figure({"result": {"extra": extra}}, workload, max_model_len=100)
+    assert m["contiguous_seqs_workload"] == 5 and m["vs_contiguous_workload"] == 5.0
+    assert m["contiguous_seqs_longest"] == 6  # 2000 // (80 * 4)
+    assert m["contiguous_seqs_served"] == 1 and m["vs_contiguous_served"] == 25.0
+    assert m["contiguous_seqs_same_dtype"] == 10 and m["vs_contiguous_same_dtype"] == 2.5
+    assert memory_figure({"error": "x"}, workload, 100) == {}
+    assert WORKLOAD_A.max_model_len == 768 and WORKLOAD_B.max_model_len == 528

@@ -137,3 +137,48 @@ def test_cpu_decode_kernel_head_sizes_match_reference(head_dim, kv_dtype):
     got = CpuOps().attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
     want = TorchOps().attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_fused_ops_match_reference(kv_dtype):
+    """Each fused CPU op against the torch reference on the layouts the decoder passes:
+    q/k/v as strided views of one fused projection, rows past one parallel task (16),
+    widths off the 16-lane vector size. Rotary and the KV write round as torch does, so
+    they must match bit for bit."""
+    assert load_cpu_kernels() is None
+    cpu, ref = CpuOps(), TorchOps()
+    g = torch.Generator().manual_seed(7)
+    tokens, heads, kv_heads, d = 37, 6, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g) * 4
+    theta = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    pos = torch.randint(0, 64, (tokens,), generator=g)
+
+    def views(t):
+        q, k, v = t.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+        return q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+
+    q, k, v = views(qkv.clone())
+    want_q, want_k = ref.rotary(q.clone(), k.clone(), pos, theta.cos(), theta.sin())
+    got_q, got_k = cpu.rotary(q, k, pos, theta.cos(), theta.sin())
+    torch.testing.assert_close(got_q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(got_k, want_k, atol=0, rtol=0)
+
+    slots = torch.randperm(40 * 16, generator=g)[:tokens]
+    caches = [torch.zeros(2, 40, 16, kv_heads, d, dtype=kv_dtype) for _ in range(2)]
+    ref.write_kv(got_k, v, caches[0], slots)
+    cpu.write_kv(got_k, v, caches[1], slots)
+    assert torch.equal(caches[0], caches[1])
+    with pytest.raises(RuntimeError, match="slot 640 outside the pool of 640"):
+        cpu.write_kv(got_k[:1], v[:1], caches[1], torch.tensor([640]))
+
+    h, delta = torch.randn(2, tokens, 100, generator=g)
+    w = torch.randn(100, generator=g)
+    torch.testing.assert_close(cpu.rms_norm(h, w, 1e-6), ref.rms_norm(h, w, 1e-6))
+    want_h, want_x = ref.add_rms_norm(h.clone(), delta, w, 1e-6)
+    got_h, got_x = cpu.add_rms_norm(h.clone(), delta, w, 1e-6)
+    torch.testing.assert_close(got_h, want_h, atol=0, rtol=0)
+    torch.testing.assert_close(got_x, want_x)
+
+    gate_up = torch.randn(tokens, 2 * 100, generator=g) * 10  # wide: exp's clamps are hit
+    torch.testing.assert_close(cpu.silu_and_mul(gate_up), ref.silu_and_mul(gate_up),
+                               atol=1e-5, rtol=1e-5)

@@ -85,8 +85,9 @@ class DecoderLM:
         cfg, ops = self.cfg, self.ops
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = ops.rms_norm(h, layer.in_norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(h, self.layers[0].in_norm, cfg.rms_norm_eps)
+        next_norms = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
             qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -98,11 +99,11 @@ class DecoderLM:
             q, k = ops.rotary(q, k, positions, self.cos, self.sin)
             ops.write_kv(k, v, kv_cache, meta.slot_mapping)
             o = ops.attention(q, k, v, kv_cache, meta, self.scale)
-            h = h + F.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b)
-            x = ops.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_w)
-        return ops.rms_norm(h, self.norm, cfg.rms_norm_eps)
+            h, x = ops.add_rms_norm(h, F.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b),
+                                    layer.post_norm, cfg.rms_norm_eps)
+            mlp = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up_w)), layer.down_w)
+            h, x = ops.add_rms_norm(h, mlp, next_norm, cfg.rms_norm_eps)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

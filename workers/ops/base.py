@@ -41,10 +41,20 @@ class Ops(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the next norm: ``(h + delta, rms_norm(h + delta))``; ``h``
+        may be updated in place."""
+        ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP's activation: ``silu(x[..., :I]) * x[..., I:]`` for x [..., 2I]."""
+        ...
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] (neox halves) by their positions;
-        ``cos``/``sin`` are [max_pos, D/2] tables."""
+        ``cos``/``sin`` are [max_pos, D/2] tables. May rotate ``q`` and ``k`` in place."""
         ...
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

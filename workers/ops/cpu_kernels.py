@@ -1,10 +1,13 @@
-"""CPU ops: the torch reference with a compiled paged decode attention.
+"""CPU ops: the torch reference with compiled kernels where a CPU step spends its time.
 
 The reference decode gathers every sequence's whole context out of the block pool
-for every layer of every step, which dominates a CPU decode step. The C++ kernel
-in ``csrc/paged_attention_cpu.cpp`` reads keys and values in place. It is built
-once per machine with torch's extension builder (g++ and ninja) into the cache
-directory; when that is impossible the engine keeps the reference path and says so.
+for every layer of every step, which dominates a CPU decode step: the C++ kernel in
+``csrc/paged_attention_cpu.cpp`` reads keys and values in place. The reference
+norms, rotary, KV writes and MLP activation are each many small torch ops, whose
+dispatch and re-reads cost more than their arithmetic at decode batch sizes:
+``csrc/fused_ops_cpu.cpp`` does each in one pass. The kernels are built once per
+machine with torch's extension builder (g++ and ninja) into the cache directory;
+when that is impossible the engine keeps the reference path and says so.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from workers.ops.torch_ref import TorchOps
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cpp"
+_CSRC = Path(__file__).with_name("csrc")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -39,11 +42,12 @@ def load_cpu_kernels() -> str | None:
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         # Keyed by the source too: checkouts with different kernels share one cache.
-        digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+        files = sorted(_CSRC.iterdir())
+        digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
         build_dir = cache_root() / "torch_ext" / f"torch-{torch.__version__}-{digest}"
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name="llm_cluster_cpu_kernels", sources=[str(_SOURCE)],
+            name="llm_cluster_cpu_kernels", sources=[str(f) for f in files if f.suffix == ".cpp"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
             extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
             is_python_module=False, verbose=False)
@@ -53,9 +57,39 @@ def load_cpu_kernels() -> str | None:
 
 
 class CpuOps(TorchOps):
-    """The reference ops with decode attention served by the C++ kernel."""
+    """The reference ops with fp32 activations served by the C++ kernels; other dtypes
+    and layouts (fp16 compute, strided q/k norms) keep the reference."""
 
     name = "cpu"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            return super().rms_norm(x, weight, eps)
+        return torch.ops.llm_cluster.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if h.dtype != torch.float32 or not (h.is_contiguous() and delta.is_contiguous()):
+            return super().add_rms_norm(h, delta, weight, eps)
+        return h, torch.ops.llm_cluster.add_rms_norm_(h, delta, weight, eps)
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.dtype != torch.float32 or cos.dtype != torch.float32:
+            return super().rotary(q, k, positions, cos, sin)
+        torch.ops.llm_cluster.rotary_(q, k, positions, cos, sin)
+        return q, k
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        if k.dtype != torch.float32 or kv_cache.dtype not in KERNEL_DTYPES:
+            return super().write_kv(k, v, kv_cache, slot_mapping)
+        torch.ops.llm_cluster.write_kv(k, v, kv_cache, slot_mapping)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return super().silu_and_mul(x)
+        return torch.ops.llm_cluster.silu_and_mul(x)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -73,7 +107,7 @@ def cpu_ops(backend: str) -> TorchOps:
         return TorchOps()
     problem = load_cpu_kernels()
     if problem is not None:
-        log.warning("CPU attention kernels unavailable (%s); using the slower torch "
+        log.warning("CPU kernels unavailable (%s); using the slower torch "
                     "reference ops", problem)
         return TorchOps()
     return CpuOps()
