@@ -102,6 +102,8 @@ BENCHMARKS = {
                 "roofline, memory and a concurrency sweep (--help for its options)"),
     "http": ("http_load", "HTTP load: concurrent streaming clients against `transformers "
              "serve --continuous-batching` (--help for its options)"),
+    "decode-step": ("decode_step", "one decode step's split (attention, other ops, linear "
+                    "layers) with the CPU kernels against the torch reference ops"),
 }
 
 
