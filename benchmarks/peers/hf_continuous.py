@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from benchmarks.peers.common import NUM_THREADS, PeerResult, default_hf_dir, peak_rss_bytes
+from kvcache.config import CacheConfig
 
 if TYPE_CHECKING:
     from transformers.generation.continuous_batching import ContinuousBatchingManager
@@ -41,15 +42,19 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _num_blocks(prompts: list[list[int]], max_tokens: list[int], slots: int) -> int:
-    """KV blocks for the ``slots`` largest requests at once, so the cache never preempts.
+def _num_blocks(prompts: list[list[int]], max_tokens: list[int], slots: int,
+                bytes_per_token: int) -> int:
+    """KV blocks for the ``slots`` largest requests at once, so the cache never preempts,
+    but no more than the engine's KV budget on a CPU (2 GiB) holds at the model's dtype.
 
     Left to itself the cache sizes to 60% of the machine's RAM, which would make the peak
-    RSS comparison meaningless.
+    RSS comparison meaningless; and 256 of Workload A's requests at once would need 6.6
+    GB, which its own memory check refuses.
     """
     blocks = sorted((math.ceil((len(p) + m) / PAGE_SIZE) for p, m in zip(prompts, max_tokens)),
                     reverse=True)
-    return sum(blocks[:slots]) + 1
+    budget = CacheConfig.DEFAULT_CPU_KV_BYTES // (PAGE_SIZE * bytes_per_token)
+    return min(sum(blocks[:slots]) + 1, budget)
 
 
 @dataclass
@@ -60,6 +65,7 @@ class Generation:
     elapsed_s: float
     max_requests_per_batch: int  # as HF resolved it when concurrency was None
     kv_slots: int  # requests the KV cache was sized to hold at once
+    kv_blocks: int  # what it got: fewer when the 2 GiB budget binds
 
 
 def generate(prompts: list[list[int]], max_tokens: list[int],
@@ -73,8 +79,12 @@ def generate(prompts: list[list[int]], max_tokens: list[int],
     model = AutoModelForCausalLM.from_pretrained(default_hf_dir(), dtype=torch.float32,
                                                  attn_implementation=ATTN_IMPLEMENTATION).eval()
     slots = min(concurrency or len(prompts), len(prompts))
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    num_blocks = _num_blocks(prompts, max_tokens, slots, bytes_per_token)
     cb_config = ContinuousBatchingConfig(
-        page_size=PAGE_SIZE, num_blocks=_num_blocks(prompts, max_tokens, slots),
+        page_size=PAGE_SIZE, num_blocks=num_blocks,
         max_batch_tokens=MAX_BATCH_TOKENS, max_requests_per_batch=concurrency,
         use_cuda_graph=False, use_async_batching=False)
     # eos_token_id=-1 disables EOS: every request runs to its own max_new_tokens.
@@ -92,7 +102,7 @@ def generate(prompts: list[list[int]], max_tokens: list[int],
         outputs = _collect(manager, ids)
         elapsed = time.perf_counter() - start
         batch_limit = manager.continuous_batching_config.max_requests_per_batch
-    return Generation([outputs[i] for i in ids], elapsed, batch_limit, slots)
+    return Generation([outputs[i] for i in ids], elapsed, batch_limit, slots, num_blocks)
 
 
 def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None) -> PeerResult:
@@ -104,8 +114,9 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
         peak_rss_bytes=peak_rss_bytes(),
         notes=f"transformers continuous batching, attn {ATTN_IMPLEMENTATION}, "
               f"max_requests_per_batch {gen.max_requests_per_batch}, max_batch_tokens "
-              f"{MAX_BATCH_TOKENS}, KV cache sized for {gen.kv_slots} concurrent requests "
-              f"({PAGE_SIZE}-token pages), EOS never stops a request")
+              f"{MAX_BATCH_TOKENS}, KV cache of {gen.kv_blocks} {PAGE_SIZE}-token pages "
+              f"(the {gen.kv_slots} largest requests at once, at most 2 GiB), EOS never stops "
+              f"a request")
 
 
 def _collect(manager: ContinuousBatchingManager,

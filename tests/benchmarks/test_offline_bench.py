@@ -141,3 +141,13 @@ def test_memory_figure_counts_contiguous_slabs_in_the_same_bytes():
     assert m["contiguous_seqs_same_dtype"] == 10 and m["vs_contiguous_same_dtype"] == 2.5
     assert memory_figure({"error": "x"}, workload, 100) == {}
     assert WORKLOAD_A.max_model_len == 768 and WORKLOAD_B.max_model_len == 528
+
+
+def test_hf_continuous_cache_holds_the_largest_requests_within_the_budget():
+    from benchmarks.peers.hf_continuous import PAGE_SIZE, _num_blocks
+
+    prompts, max_tokens = [[1] * 100, [1] * 10, [1] * 200], [28, 10, 56]  # 2, 1, 4 pages
+    assert _num_blocks(prompts, max_tokens, slots=2, bytes_per_token=4) == 4 + 2 + 1
+    # 2 GiB of pages at 2**24 bytes a token hold 2**31 // (64 * 2**24) = 2 pages.
+    assert PAGE_SIZE == 64
+    assert _num_blocks(prompts, max_tokens, slots=3, bytes_per_token=1 << 24) == 2

@@ -18,6 +18,12 @@ def llm():
     return LLM(device="cpu", kv_cache_bytes=256 << 20, seed=0)
 
 
+@pytest.fixture(scope="module")
+def llm_fp16_kv():
+    """KV stored in fp16, compute in fp32: what the offline benchmark runs."""
+    return LLM(device="cpu", kv_cache_bytes=256 << 20, seed=0, kv_cache_dtype="float16")
+
+
 def chat_ids(llm: LLM, question: str) -> list[int]:
     tok = llm.get_tokenizer()
     text = tok.apply_chat_template([{"role": "user", "content": question}])
@@ -35,7 +41,9 @@ def hf_model(default_model_path):
                                                 dtype=torch.float32).eval()
 
 
-def test_greedy_continuations_equal_hf(llm, hf_model):
+@pytest.mark.parametrize("engine", ["llm", "llm_fp16_kv"])
+def test_greedy_continuations_equal_hf(engine, request, hf_model):
+    llm = request.getfixturevalue(engine)
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     n = 24
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
