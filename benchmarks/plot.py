@@ -33,7 +33,7 @@ def plot_sweep(sweep: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_xticks(levels, [str(c) for c in levels])
     ax.set_xlabel("concurrency (max running sequences / batch size)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("Offline throughput against concurrency (fp32, CPU)")
+    ax.set_title("Offline throughput against concurrency (fp32 compute, CPU)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -153,7 +153,7 @@ def markdown(results: dict[str, Any]) -> str:
     """The report, ready to paste into ``benchmarks/RESULTS.md``."""
     meta, memory = results["meta"], results.get("memory", {})
     out = [f"## Offline throughput against peers (issue #3) — {meta['date']}", "",
-           f"`{meta['command']}` — {meta['machine']}; default model, fp32, greedy, "
+           f"`{meta['command']}` — {meta['machine']}; default model, fp32 compute, greedy, "
            f"`ignore_eos` (every engine generates the same number of tokens).", ""]
     for key, title, reference in (("workload_a", "Workload A (chat-like)", ENGINE),
                                   ("workload_b", "Workload B (shared system prompt)", "engine")):
