@@ -9,9 +9,11 @@ interrupted. The one-process engine on the default model carries the local tests
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -242,7 +244,10 @@ def ray_head(free_ports) -> Iterator[Head]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")
            and k != "PYTHONPATH"}   # the job must import the uploaded working dir
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["RAY_AUTH_MODE"] = "token"   # what `ray start --head` turns on; clients need it said
+    # What `ray start --head` turns on; the head refuses to start without a token, and a
+    # fresh machine has no ~/.ray/auth_token, so the head and its clients share our own.
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     log_path = Path(temp_dir) / "ray-start.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
@@ -265,7 +270,8 @@ def ray_head(free_ports) -> Iterator[Head]:
             time.sleep(2)
         yield head
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):   # a head that failed to start is gone
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
