@@ -77,13 +77,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
     args = p.parse_args(argv)
     torch.set_num_threads(NUM_THREADS)
     checkpoint = load_checkpoint(None)
-    longest = max(args.batch) * -(-max(args.context) // 16)
+    block_size = CacheConfig().block_size
+    num_blocks = max(args.batch) * -(-max(args.context) // block_size)
     print("| ops | KV dtype | batch | context | step ms | attention ms | other ms | "
           "linear ms | linear ÷ step |\n|---|---|---|---|---|---|---|---|---|")
     for ops in args.ops:
         for kv_dtype in args.kv_dtype:
             runner = ModelRunner(checkpoint, CacheConfig(kv_dtype=kv_dtype), torch.device("cpu"),
-                                 max(args.context) + 1, num_blocks=longest, ops=ops)
+                                 max(args.context) + 1, num_blocks=num_blocks, ops=ops)
             for batch in args.batch:
                 for context in args.context:
                     r = step_split(runner, batch, context, args.repeats)

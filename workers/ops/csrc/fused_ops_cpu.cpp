@@ -24,10 +24,10 @@ void check_rows(const at::Tensor& x, const char* name) {
 
 // out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps), after x[r] += delta[r] when delta is given.
 void norm_rows(float* x, const float* delta, const float* w, float* out, int64_t rows,
-               int64_t width, int64_t x_stride, float eps) {
+               int64_t width, float eps) {
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* xr = x + r * x_stride;
+      float* xr = x + r * width;
       if (delta != nullptr) {
         const float* dr = delta + r * width;
 #pragma omp simd
@@ -52,7 +52,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   auto out = at::empty_like(x);
   const int64_t width = x.size(-1);
   norm_rows(x.data_ptr<float>(), nullptr, weight.data_ptr<float>(), out.data_ptr<float>(),
-            x.numel() / width, width, width, static_cast<float>(eps));
+            x.numel() / width, width, static_cast<float>(eps));
   return out;
 }
 
@@ -67,7 +67,7 @@ at::Tensor add_rms_norm_(at::Tensor& h, const at::Tensor& delta, const at::Tenso
               "float32 [width]");
   auto out = at::empty_like(h);
   norm_rows(h.data_ptr<float>(), delta.data_ptr<float>(), weight.data_ptr<float>(),
-            out.data_ptr<float>(), h.size(0), h.size(1), h.size(1), static_cast<float>(eps));
+            out.data_ptr<float>(), h.size(0), h.size(1), static_cast<float>(eps));
   return out;
 }
 
