@@ -238,6 +238,17 @@ def test_overload_refuses_at_once_and_loses_nothing(tiny_factory, make_cluster):
     assert [done[r] for r in ("second", "third")] == _local(model, prompts[1:3], sp)
 
 
+def _freeze(actor) -> None:
+    """Stop a worker's process (SIGSTOP): its calls hang until ``ray.kill`` ends it, so
+    whatever it was given stays with it, however fast the other workers are."""
+    import os
+    import signal
+
+    import ray
+
+    os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())), signal.SIGSTOP)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,victim", [("2p2d", "decode-0"), ("2p2d", "prefill-0"),
                                            ("1p1d", "decode-0"), ("1p1d", "prefill-0")])
@@ -252,10 +263,13 @@ def test_killed_worker_is_recovered_without_repeats(tiny_factory, make_cluster, 
     prompts = _prompts(32, seed=1)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     expected = _local(model, prompts, sp)
-    # A small token budget spreads the prefills over many steps; the kill comes at the
-    # first streamed output at which the victim holds sequences (waiting for a later one
-    # can find a prefill worker already done with every prompt).
     engine = make_cluster(model, layout, scheduler={"max_num_batched_tokens": 64})
+    # A decode worker is killed at the first streamed output at which it holds
+    # sequences: it has streamed tokens of some and decodes each for 32 steps. A
+    # prefill worker can be done with all its prompts before the first output reaches
+    # the test, so it is frozen from the start: it holds its prompts when killed.
+    if victim.startswith("prefill"):
+        _freeze(engine.workers[victim])
     killed = []
 
     def kill(seen: int) -> None:
