@@ -41,22 +41,36 @@ def hf_model(default_model_path):
                                                 dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("engine", ["llm", "llm_fp16_kv"])
-def test_greedy_continuations_equal_hf(engine, request, hf_model):
+# Per-logit error allowed against HF's fp32 forward: fp32 rounding (measured about 3e-5),
+# and fp16 KV storage, whose rounding of every cached K and V moved the top-5 logprobs by
+# up to 8e-3 on these prompts (bf16 KV: 9e-2).
+@pytest.mark.parametrize("engine,logit_tol", [("llm", 5e-4), ("llm_fp16_kv", 2e-2)])
+def test_greedy_continuations_equal_hf(engine, logit_tol, request, hf_model):
+    """Greedy tokens are HF's, and the top-5 logprobs are within ``logit_tol`` of HF's.
+
+    Where HF's two best logits are closer than two such errors, either token is a
+    correct greedy choice; if ours differs there, the contexts part and the rest of
+    that continuation is not compared."""
     llm = request.getfixturevalue(engine)
     prompts = [chat_ids(llm, q) for q in QUESTIONS]
     n = 24
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                       logprobs=5))
     compared = 0
     for p, o in zip(prompts, outs):
         ours = o.outputs[0].token_ids
         with torch.no_grad():
             logits = hf_model(torch.tensor([p + ours])).logits[0, len(p) - 1:]
+        hf_logprobs = torch.log_softmax(logits, dim=-1)
         for i in range(n):
+            for token, lp in o.outputs[0].logprobs[i].items():
+                assert lp.logprob == pytest.approx(hf_logprobs[i, token].item(),
+                                                   abs=logit_tol), f"token {i} of {p[:5]}..."
             top2 = torch.topk(logits[i], 2).values
-            if (top2[0] - top2[1]).item() < 1e-3:
-                break  # a genuine near-tie: fp32 rounding may pick either
+            near_tie = (top2[0] - top2[1]).item() < 2 * logit_tol
+            if near_tie and ours[i] != int(logits[i].argmax()):
+                break
             assert ours[i] == int(logits[i].argmax()), f"token {i} of {p[:5]}..."
             compared += 1
     assert compared >= 0.75 * n * len(prompts)
