@@ -1,11 +1,11 @@
 """The physical limit of a run: its model's linear layers alone, at the batch sizes it ran.
 
 On a CPU in fp32 a small decoder's step is dominated by its four matmuls per layer and
-the LM head, so the time those take by themselves on the same weights, thread count and
-row counts is the best a step could do (the machine's fp32 roofline as it really
-performs). Each size is timed once on a grid (powers of two up to the largest seen, plus
-that largest) and steps in between are interpolated linearly, so a run of thousands of
-steps costs a few dozen timings.
+the LM head, so the time those take by themselves on the same weights (packed as the
+engine packs them), thread count and row counts is the best a step could do (the
+machine's fp32 roofline as it really performs). Each size is timed once on a grid
+(powers of two up to the largest seen, plus that largest) and steps in between are
+interpolated linearly, so a run of thousands of steps costs a few dozen timings.
 
     grid = measure_grid(lambda n: linear_layers_time(model, n), max_tokens)
     seconds = sum(interpolate(grid, t) for t in step_token_counts)
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from workers.models.decoder import DecoderLM
@@ -58,28 +57,29 @@ def measure_grid(timer: Callable[[int], float], largest: int, repeats: int = 3) 
 
 @torch.inference_mode()
 def linear_layers_time(model: DecoderLM, num_tokens: int) -> float:
-    """Seconds for every layer's QKV, O, gate-up and down projections on ``num_tokens`` rows."""
-    cfg, first = model.cfg, model.layers[0]
-    dtype, device = first.qkv_w.dtype, first.qkv_w.device
+    """Seconds for every layer's QKV, O, gate-up and down projections on ``num_tokens``
+    rows, through the model's own linear op and packed weights."""
+    cfg, linear = model.cfg, model.ops.linear
+    dtype, device = model.norm.dtype, model.norm.device
     hidden = torch.randn(num_tokens, cfg.hidden_size, dtype=dtype, device=device)
     attn = torch.randn(num_tokens, cfg.q_size, dtype=dtype, device=device)
     mlp = torch.randn(num_tokens, cfg.intermediate_size, dtype=dtype, device=device)
     start = time.perf_counter()
     for layer in model.layers:
-        F.linear(hidden, layer.qkv_w, layer.qkv_b)
-        F.linear(attn, layer.o_w, layer.o_b)
-        F.linear(hidden, layer.gate_up_w)
-        F.linear(mlp, layer.down_w)
+        linear(hidden, layer.qkv_w, layer.qkv_b)
+        linear(attn, layer.o_w, layer.o_b)
+        linear(hidden, layer.gate_up_w)
+        linear(mlp, layer.down_w)
     return time.perf_counter() - start
 
 
 @torch.inference_mode()
 def lm_head_time(model: DecoderLM, num_rows: int) -> float:
     """Seconds for the LM head on ``num_rows`` hidden states (the rows that get logits)."""
-    hidden = torch.randn(num_rows, model.cfg.hidden_size, dtype=model.lm_head.dtype,
-                         device=model.lm_head.device)
+    hidden = torch.randn(num_rows, model.cfg.hidden_size, dtype=model.norm.dtype,
+                         device=model.norm.device)
     start = time.perf_counter()
-    F.linear(hidden, model.lm_head)
+    model.ops.linear(hidden, model.lm_head)
     return time.perf_counter() - start
 
 

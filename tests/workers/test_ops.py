@@ -182,3 +182,24 @@ def test_cpu_fused_ops_match_reference(kv_dtype):
     gate_up = torch.randn(tokens, 2 * 100, generator=g) * 10  # wide: exp's clamps are hit
     torch.testing.assert_close(cpu.silu_and_mul(gate_up), ref.silu_and_mul(gate_up),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_packed_linear_matches_a_float64_matmul(ops, rows):
+    """Each ops' packed linear is ``x @ W.T + b`` to fp32 rounding; on the CPU the
+    weight really is packed for oneDNN (the fast path must not fall back silently)."""
+    from workers.ops.cpu_kernels import onednn_linear_problem
+
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = torch.randn(rows, 96, generator=g), torch.randn(80, 96, generator=g), \
+        torch.randn(80, generator=g)
+    packed = ops.pack_linear(w)
+    if ops.name == "cpu":
+        assert onednn_linear_problem() is None
+        assert packed.is_mkldnn
+    exact = x.double() @ w.double().T + b.double()
+    for bias, want in ((b, exact), (None, exact - b.double())):
+        got = ops.linear(x, packed, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, 80)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)

@@ -47,20 +47,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelArchConfig) -> torch.Tensor
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    """One layer's weights; the four matrices as ``ops.pack_linear`` lays them out."""
+
+    def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str,
+                 ops: Ops) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                                w[a + "v_proj.weight"]])
+        self.qkv_w = ops.pack_linear(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
+                                                w[a + "v_proj.weight"]]))
         self.qkv_b = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
                                  w[a + "v_proj.bias"]]) if cfg.qkv_bias else None)
-        self.o_w = w[a + "o_proj.weight"]
+        self.o_w = ops.pack_linear(w[a + "o_proj.weight"])
         self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         self.q_norm = w[a + "q_norm.weight"] if cfg.qk_norm else None
         self.k_norm = w[a + "k_norm.weight"] if cfg.qk_norm else None
         self.in_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
-        self.gate_up_w = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])
-        self.down_w = w[m + "down_proj.weight"]
+        self.gate_up_w = ops.pack_linear(torch.cat([w[m + "gate_proj.weight"],
+                                                    w[m + "up_proj.weight"]]))
+        self.down_w = ops.pack_linear(w[m + "down_proj.weight"])
 
 
 class DecoderLM:
@@ -71,9 +75,11 @@ class DecoderLM:
         self.cfg = cfg
         self.ops = ops
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head = ops.pack_linear(self.embed if cfg.tie_word_embeddings
+                                       else w["lm_head.weight"])
         self.norm = w["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops)
+                       for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg, max_positions, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.scale = cfg.head_dim ** -0.5
@@ -88,7 +94,7 @@ class DecoderLM:
         x = ops.rms_norm(h, self.layers[0].in_norm, cfg.rms_norm_eps)
         next_norms = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = ops.linear(x, layer.qkv_w, layer.qkv_b)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(t, cfg.num_heads, cfg.head_dim)
             k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -99,15 +105,15 @@ class DecoderLM:
             q, k = ops.rotary(q, k, positions, self.cos, self.sin)
             ops.write_kv(k, v, kv_cache, meta.slot_mapping)
             o = ops.attention(q, k, v, kv_cache, meta, self.scale)
-            h, x = ops.add_rms_norm(h, F.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b),
+            h, x = ops.add_rms_norm(h, ops.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b),
                                     layer.post_norm, cfg.rms_norm_eps)
-            mlp = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up_w)), layer.down_w)
+            mlp = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_w)), layer.down_w)
             h, x = ops.add_rms_norm(h, mlp, next_norm, cfg.rms_norm_eps)
         return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.ops.linear(hidden, self.lm_head).float()
 
 
 def expected_weight_names(cfg: ModelArchConfig) -> set[str]:

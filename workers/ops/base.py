@@ -39,6 +39,16 @@ class AttentionMetadata:
 class Ops(Protocol):
     name: str
 
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` [out, in] in the layout ``linear`` reads fastest, made once at load
+        time; the result may be opaque to everything but ``linear``."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` for ``weight`` from ``pack_linear`` of W."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

@@ -12,6 +12,13 @@ from workers.ops.base import AttentionMetadata
 class TorchOps:
     name = "torch"
 
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
