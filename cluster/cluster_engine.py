@@ -295,7 +295,7 @@ class ClusterEngine(ClusterClient):
                 num_cpus=0, max_concurrency=10_000).remote(
                 refs, cfg.scheduler, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                 self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
-                cc.max_waiting, cc.transfer_timeout_s)
+                cc.max_waiting, cc.transfer_timeout_s, cc.max_prefill_queue_tokens)
 
         try:
             return create()

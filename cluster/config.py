@@ -97,6 +97,9 @@ class ClusterConfig:
     ``address``: a Ray cluster to join (None: start or reuse a local instance).
     ``name``: the global scheduler's actor name is ``llm-scheduler-<name>``.
     ``prefill_threshold``: prompts with fewer tokens are prefilled on a decode worker.
+    ``max_prefill_queue_tokens``: once every prefill worker has this many prompt tokens
+    waiting, a prompt goes to the worker with the least prefill work, decode workers
+    included (None: prompts always wait for a prefill worker).
     ``max_waiting``: requests queued (not yet running) before submissions are refused
     as overloaded. ``transfer_timeout_s``: a KV handoff slower than this is abandoned
     and the sequence recomputed.
@@ -106,6 +109,7 @@ class ClusterConfig:
     address: str | None = None
     pools: list[WorkerPoolConfig] = field(default_factory=list)
     prefill_threshold: int = 0
+    max_prefill_queue_tokens: int | None = 512
     max_waiting: int = 1024
     transfer_timeout_s: float = 30.0
 
@@ -114,6 +118,10 @@ class ClusterConfig:
             raise ValueError(f"name: got {self.name!r}; expected letters, digits, - and _")
         if self.prefill_threshold < 0:
             raise ValueError(f"prefill_threshold: got {self.prefill_threshold}; expected >= 0")
+        if self.max_prefill_queue_tokens is not None and self.max_prefill_queue_tokens < 0:
+            raise ValueError(f"max_prefill_queue_tokens: got {self.max_prefill_queue_tokens}; "
+                             "expected >= 0, or null to never prefill on decode workers "
+                             "for load")
         if self.max_waiting < 1:
             raise ValueError(f"max_waiting: got {self.max_waiting}; expected >= 1")
         if self.transfer_timeout_s <= 0:

@@ -4,7 +4,9 @@ Each worker gets its own ``BatchScheduler`` over a ``KVCacheManager`` that mirro
 worker's pool, and its own asyncio step loop, so a slow worker never stalls the
 others. Plans and outputs cross as msgpack bytes. Placement: a new request goes to
 the least-loaded prefill worker, preferring one whose prefix cache holds its leading
-blocks; prompts shorter than ``prefill_threshold`` go to a decode worker directly.
+blocks; prompts shorter than ``prefill_threshold`` go to a decode worker directly, and
+so does any prompt while every prefill worker has ``max_prefill_queue_tokens`` prompt
+tokens or more waiting to be prefilled (conditional disaggregation by length and load).
 A sequence whose prefill sampled its first token on a prefill worker moves to the
 decode worker with the most free blocks: the decode side reserves blocks (reusing
 its own prefix cache), the prefill side exports only the rest as an Arrow KV batch
@@ -121,11 +123,13 @@ class GlobalScheduler:
     def __init__(self, workers: list[WorkerRef], config: SchedulerConfig, block_size: int,
                  enable_prefix_caching: bool, max_model_len: int, eos_token_ids: list[int],
                  prefill_threshold: int = 0, max_waiting: int = 1024,
-                 transfer_timeout_s: float = 30.0) -> None:
+                 transfer_timeout_s: float = 30.0,
+                 max_prefill_queue_tokens: int | None = None) -> None:
         if not workers:
             raise ValueError("workers: got none; a cluster needs at least one worker")
         self.block_size = block_size
         self.prefill_threshold = prefill_threshold
+        self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.max_waiting = max_waiting
         self.transfer_timeout_s = transfer_timeout_s
         self.workers = [
@@ -325,20 +329,32 @@ class GlobalScheduler:
 
         Long prompts prefer prefill workers, short ones decode workers (conditional
         disaggregation); a missing role falls back to mixed workers, then the other role.
+        While every prefill worker has ``max_prefill_queue_tokens`` or more prompt tokens
+        waiting, a long prompt goes to whichever live worker has the least prefill work
+        left once it is added, decode workers included: a burst of prompts is prefilled
+        on idle decode workers too, instead of queueing behind one prefill worker (at the
+        cost of slower decode steps on a busy one while it prefills).
         """
         alive = [w for w in self.workers if w.alive]
         if len(token_ids) >= self.prefill_threshold:
             order = ("prefill", "mixed", "decode")
         else:
             order = ("decode", "mixed", "prefill")
-        for role in order:
-            candidates = [w for w in alive if w.role == role]
-            if candidates:
-                hashes = extend_block_hashes([], token_ids, self.block_size)
-                return min(candidates, key=lambda w: (-len(w.kv.pool.lookup(hashes)),
-                                                      len(w.batch.seqs),
-                                                      -w.kv.pool.num_free_blocks))
-        return None
+        candidates = next(([w for w in alive if w.role == role] for role in order
+                           if any(w.role == role for w in alive)), [])
+        if not candidates:
+            return None
+        hashes = extend_block_hashes([], token_ids, self.block_size)
+        hits = {w: len(w.kv.pool.lookup(hashes)) for w in alive}
+        limit = self.max_prefill_queue_tokens
+        if candidates[0].role == "prefill" and limit is not None:
+            queued = {w: _queued_prefill_tokens(w) for w in alive}
+            if min(queued[w] for w in candidates) >= limit:
+                return min(alive, key=lambda w: (
+                    queued[w] + len(token_ids) - hits[w] * self.block_size,
+                    w.role != "prefill", -w.kv.pool.num_free_blocks))
+        return min(candidates, key=lambda w: (-hits[w], len(w.batch.seqs),
+                                              -w.kv.pool.num_free_blocks))
 
     def _recompute(self, seq: Sequence, target: _Worker | None = None) -> None:
         """Queue a sequence for recomputation on ``target`` (else where ``_place`` says),
@@ -480,3 +496,9 @@ class GlobalScheduler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+
+
+def _queued_prefill_tokens(w: _Worker) -> int:
+    """Prompt tokens (or tokens to recompute) a worker has yet to prefill."""
+    left = (s.num_tokens - s.num_computed_tokens for s in w.batch.seqs.values())
+    return sum(n for n in left if n > 1)

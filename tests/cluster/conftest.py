@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -37,3 +40,39 @@ def free_ports() -> Callable[[int], list[int]]:
         return ports
 
     return get
+
+
+class MidRunKill:
+    """An ``on_output(seen)`` callback that ``ray.kill``s one worker of a running cluster
+    at the first streamed output at which the worker holds sequences.
+
+    A decode worker has streamed tokens of some of them by then, and decodes each for
+    many steps. A prefill worker can be done with every prompt before the first output
+    reaches the test, so it is frozen (SIGSTOP) from the start: its calls hang, and it
+    still holds its prompts when it is killed.
+    """
+
+    def __init__(self, engine: Any, victim: str) -> None:
+        import ray
+
+        self.engine, self.victim = engine, victim
+        self.killed_at: int | None = None
+        if victim.startswith("prefill"):
+            actor = engine.workers[victim]
+            os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())), signal.SIGSTOP)
+
+    def holds_sequences(self) -> bool:
+        w = next(w for w in self.engine.stats()["workers"] if w["worker_id"] == self.victim)
+        return w["num_running"] + w["num_waiting"] > 0
+
+    def __call__(self, seen: int) -> None:
+        import ray
+
+        if self.killed_at is None and self.holds_sequences():
+            ray.kill(self.engine.workers[self.victim])
+            self.killed_at = seen
+
+
+@pytest.fixture
+def mid_run_kill(ray_instance) -> type[MidRunKill]:
+    return MidRunKill

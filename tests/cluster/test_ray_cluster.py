@@ -34,8 +34,11 @@ def _config(model: str, pools: list[dict] | None = None, kv_bytes: int = 2 << 20
     data: dict[str, Any] = {"model": {"path": model}, "cache": {"kv_cache_bytes": kv_bytes},
                             "scheduler": scheduler or {}}
     if pools is not None:
+        # Placement by length only, unless a test asks for it by load: handoff counts
+        # must not depend on how fast the workers drain their queues.
         data["cluster"] = {"name": f"test-{next(_names)}", "pools": pools,
-                           "prefill_threshold": 16, **cluster}
+                           "prefill_threshold": 16, "max_prefill_queue_tokens": None,
+                           **cluster}
     return config_from_dict(data)
 
 
@@ -104,11 +107,6 @@ def _by_id(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {w["worker_id"]: w for w in stats["workers"]}
 
 
-def _holds_sequences(engine: ClusterEngine, worker_id: str) -> bool:
-    w = _by_id(engine.stats())[worker_id]
-    return w["num_running"] + w["num_waiting"] > 0
-
-
 def _assert_pools_empty(stats: dict[str, Any]) -> None:
     for w in stats["workers"]:
         if w["alive"]:
@@ -141,6 +139,21 @@ def test_greedy_outputs_equal_the_one_process_engine(tiny_factory, make_cluster,
         assert (w["num_running"], w["num_waiting"]) == (0, 0)
         assert w["num_steps"] > 0 and w["mean_step_s"] >= w["mean_execute_s"] > 0
         assert 0.0 <= w["prefix_hit_rate"] <= 1.0
+
+
+@pytest.mark.slow
+def test_placement_by_prefill_backlog_keeps_the_greedy_text(tiny_factory, make_cluster):
+    """With ``max_prefill_queue_tokens`` 0 every prompt goes where the least prefill work
+    waits, decode worker included: whatever mix of local prefills and handoffs that
+    gives, the tokens are the one-process engine's and both pools end empty."""
+    model = tiny_factory("llama").path
+    prompts = _prompts(24)
+    engine = make_cluster(model, "1p1d", max_prefill_queue_tokens=0)
+    assert _run(engine, prompts) == _local(model, prompts)
+    stats = _wait_idle(engine)
+    _assert_pools_empty(stats)
+    assert sum(w["kv_sent"]["count"] for w in stats["workers"]) <= \
+        sum(1 for p in prompts if len(p) >= 16)
 
 
 def test_seeded_sampling_with_penalties_survives_the_handoff(tiny_factory, make_cluster):
@@ -238,47 +251,22 @@ def test_overload_refuses_at_once_and_loses_nothing(tiny_factory, make_cluster):
     assert [done[r] for r in ("second", "third")] == _local(model, prompts[1:3], sp)
 
 
-def _freeze(actor) -> None:
-    """Stop a worker's process (SIGSTOP): its calls hang until ``ray.kill`` ends it, so
-    whatever it was given stays with it, however fast the other workers are."""
-    import os
-    import signal
-
-    import ray
-
-    os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())), signal.SIGSTOP)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,victim", [("2p2d", "decode-0"), ("2p2d", "prefill-0"),
                                            ("1p1d", "decode-0"), ("1p1d", "prefill-0")])
-def test_killed_worker_is_recovered_without_repeats(tiny_factory, make_cluster, layout,
-                                                    victim):
+def test_killed_worker_is_recovered_without_repeats(tiny_factory, make_cluster, mid_run_kill,
+                                                    layout, victim):
     """32 requests; one worker is killed mid-run. Every request finishes with the text of
     a run without the kill (streamed tokens are never repeated: the concatenated stream
     is compared), on the survivors of its role or, with none left, mixed on the others."""
-    import ray
-
     model = tiny_factory("llama").path
     prompts = _prompts(32, seed=1)
     sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     expected = _local(model, prompts, sp)
     engine = make_cluster(model, layout, scheduler={"max_num_batched_tokens": 64})
-    # A decode worker is killed at the first streamed output at which it holds
-    # sequences: it has streamed tokens of some and decodes each for 32 steps. A
-    # prefill worker can be done with all its prompts before the first output reaches
-    # the test, so it is frozen from the start: it holds its prompts when killed.
-    if victim.startswith("prefill"):
-        _freeze(engine.workers[victim])
-    killed = []
-
-    def kill(seen: int) -> None:
-        if not killed and _holds_sequences(engine, victim):
-            ray.kill(engine.workers[victim])
-            killed.append(seen)
-
+    kill = mid_run_kill(engine, victim)
     assert _run(engine, prompts, sp, on_output=kill) == expected
-    assert killed
+    assert kill.killed_at is not None
     stats = _wait_idle(engine)
     deadline = time.monotonic() + 60.0
     while _by_id(stats)[victim]["alive"] and time.monotonic() < deadline:

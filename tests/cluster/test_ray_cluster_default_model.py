@@ -57,12 +57,10 @@ def test_greedy_chat_equals_the_one_process_engine(ray_instance, expected, layou
 
 
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
-def test_killed_worker_mid_run_changes_no_text(ray_instance, expected, victim):
-    """1 prefill + 1 decode on the default model; one worker is killed after the third
-    streamed output. The survivor takes over (mixed fallback) and every answer equals
+def test_killed_worker_mid_run_changes_no_text(ray_instance, expected, mid_run_kill, victim):
+    """1 prefill + 1 decode on the default model; one worker is killed mid-run (see
+    ``MidRunKill``). The survivor takes over (mixed fallback) and every answer equals
     the one-process engine's."""
-    import ray
-
     config = _cluster_config(f"default-kill-{victim}",
                              [{"role": "prefill", "resources": {"CPU": 0.5}},
                               {"role": "decode", "resources": {"CPU": 0.5}}])
@@ -71,6 +69,7 @@ def test_killed_worker_mid_run_changes_no_text(ray_instance, expected, victim):
     engine = llm.engine
     tok = llm.get_tokenizer()
     try:
+        kill = mid_run_kill(engine, victim)
         ids = []
         for i, conv in enumerate(_conversations()):
             text = tok.apply_chat_template(conv, add_generation_prompt=True)
@@ -81,12 +80,12 @@ def test_killed_worker_mid_run_changes_no_text(ray_instance, expected, victim):
         while engine.has_unfinished():
             for out in engine.step():
                 seen += 1
-                if seen == 3:
-                    ray.kill(engine.workers[victim])
+                kill(seen)
                 if out.finished:
                     done[out.request_id] = (out.outputs[0].text, out.outputs[0].token_ids)
         stats = engine.stats()
     finally:
         llm.shutdown()
     assert [done[r] for r in ids] == expected
+    assert kill.killed_at is not None
     assert stats["num_recovered"] > 0

@@ -174,3 +174,30 @@ def test_lost_worker_sequences_move_and_overload_is_immediate(tiny_factory):
         await gs.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_prefill_backlog_is_shared_with_the_decode_worker(tiny_factory):
+    """Past ``max_prefill_queue_tokens`` waiting on the prefill worker, each prompt goes
+    where the least prefill work waits (hand-counted below); the outputs stay greedy."""
+    path = tiny_factory("llama").path
+    prompts = {f"r{i}": _prompt(i, 40) for i in range(6)}
+
+    async def run(**kw: Any) -> tuple[list[str], dict[str, list[int]]]:
+        gs, _ = _scheduler(path, ["prefill", "decode"], **kw)
+        await gs.start()
+        for rid, p in prompts.items():   # no step runs in between: queues only grow
+            await gs.submit(rid, p, GREEDY)
+        placed = [gs.requests[r].worker.ref.worker_id for r in prompts]
+        out = await _finish(gs, list(prompts))
+        await gs.shutdown()
+        return placed, out
+
+    # Queued prompt tokens (prefill, decode) before each: (0, 0) (40, 0) (80, 0) ->
+    # over 64: the decode worker, (80, 40) -> decode, (80, 80) -> a tie: prefill,
+    # (120, 80) -> decode.
+    placed, out = asyncio.run(run(max_prefill_queue_tokens=64))
+    assert placed == ["prefill-0", "prefill-0", "decode-1", "decode-1", "prefill-0",
+                      "decode-1"]
+    unbounded, expected = asyncio.run(run())
+    assert unbounded == ["prefill-0"] * 6
+    assert out == expected
