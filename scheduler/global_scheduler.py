@@ -497,7 +497,6 @@ class GlobalScheduler:
         task.add_done_callback(self._tasks.discard)
 
 
-
 def _queued_prefill_tokens(w: _Worker) -> int:
     """Prompt tokens (or tokens to recompute) a worker has yet to prefill."""
     left = (s.num_tokens - s.num_computed_tokens for s in w.batch.seqs.values())
