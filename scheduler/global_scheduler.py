@@ -5,8 +5,9 @@ worker's pool, and its own asyncio step loop, so a slow worker never stalls the
 others. Plans and outputs cross as msgpack bytes. Placement: a new request goes to
 the least-loaded prefill worker, preferring one whose prefix cache holds its leading
 blocks; prompts shorter than ``prefill_threshold`` go to a decode worker directly, and
-so does any prompt while every prefill worker has ``max_prefill_queue_tokens`` prompt
-tokens or more waiting to be prefilled (conditional disaggregation by length and load).
+so does a prompt that would wait longer behind a prefill backlog of more than
+``max_prefill_queue_tokens`` than it stalls the decode worker's sequences
+(conditional disaggregation by length and load).
 A sequence whose prefill sampled its first token on a prefill worker moves to the
 decode worker with the most free blocks: the decode side reserves blocks (reusing
 its own prefix cache), the prefill side exports only the rest as an Arrow KV batch
@@ -330,10 +331,12 @@ class GlobalScheduler:
         Long prompts prefer prefill workers, short ones decode workers (conditional
         disaggregation); a missing role falls back to mixed workers, then the other role.
         While every prefill worker has ``max_prefill_queue_tokens`` or more prompt tokens
-        waiting, a long prompt goes to whichever live worker has the least prefill work
-        left once it is added, decode workers included: a burst of prompts is prefilled
-        on idle decode workers too, instead of queueing behind one prefill worker (at the
-        cost of slower decode steps on a busy one while it prefills).
+        waiting, a long prompt goes to the live worker where it costs least, in token
+        times: the prefill work queued there plus its own new tokens, which also stall
+        every sequence the worker decodes (a prefill worker decodes none). A burst of
+        prompts is then prefilled on idle decode workers too instead of queueing behind one
+        prefill worker, while a decode worker busy with many sequences, or a long prompt,
+        still goes to the prefill workers.
         """
         alive = [w for w in self.workers if w.alive]
         if len(token_ids) >= self.prefill_threshold:
@@ -350,9 +353,12 @@ class GlobalScheduler:
         if candidates[0].role == "prefill" and limit is not None:
             queued = {w: _queued_prefill_tokens(w) for w in alive}
             if min(queued[w] for w in candidates) >= limit:
-                return min(alive, key=lambda w: (
-                    queued[w] + len(token_ids) - hits[w] * self.block_size,
-                    w.role != "prefill", -w.kv.pool.num_free_blocks))
+                def cost(w: _Worker) -> int:
+                    new = len(token_ids) - hits[w] * self.block_size
+                    return queued[w] + new * (1 + _num_decoding(w))
+
+                return min(alive, key=lambda w: (cost(w), w.role != "prefill",
+                                                 -w.kv.pool.num_free_blocks))
         return min(candidates, key=lambda w: (-hits[w], len(w.batch.seqs),
                                               -w.kv.pool.num_free_blocks))
 
@@ -501,3 +507,8 @@ def _queued_prefill_tokens(w: _Worker) -> int:
     """Prompt tokens (or tokens to recompute) a worker has yet to prefill."""
     left = (s.num_tokens - s.num_computed_tokens for s in w.batch.seqs.values())
     return sum(n for n in left if n > 1)
+
+
+def _num_decoding(w: _Worker) -> int:
+    """Sequences past their prefill on a worker (one token to run per step)."""
+    return sum(1 for s in w.batch.seqs.values() if s.num_tokens - s.num_computed_tokens <= 1)

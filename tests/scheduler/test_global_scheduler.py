@@ -176,28 +176,39 @@ def test_lost_worker_sequences_move_and_overload_is_immediate(tiny_factory):
     asyncio.run(main())
 
 
-def test_a_prefill_backlog_is_shared_with_the_decode_worker(tiny_factory):
+def test_a_prefill_backlog_is_shared_with_the_decode_worker_by_cost(tiny_factory):
     """Past ``max_prefill_queue_tokens`` waiting on the prefill worker, each prompt goes
-    where the least prefill work waits (hand-counted below); the outputs stay greedy."""
+    where it costs least: the prefill tokens queued there plus its own, counted once more
+    for every sequence the worker decodes (hand-counted below); outputs stay greedy."""
     path = tiny_factory("llama").path
     prompts = {f"r{i}": _prompt(i, 40) for i in range(6)}
+    long_run = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 
-    async def run(**kw: Any) -> tuple[list[str], dict[str, list[int]]]:
-        gs, _ = _scheduler(path, ["prefill", "decode"], **kw)
+    async def run(decoding: bool = False, **kw: Any) -> tuple[list[str], dict]:
+        gs, _ = _scheduler(path, ["prefill", "decode"], prefill_threshold=8, **kw)
         await gs.start()
+        if decoding:   # a short prompt decodes on the decode worker meanwhile
+            await gs.submit("busy", [5, 6, 7], long_run)
+            while not (await gs.get_updates(["busy"], 5.0)):
+                pass
         for rid, p in prompts.items():   # no step runs in between: queues only grow
             await gs.submit(rid, p, GREEDY)
-        placed = [gs.requests[r].worker.ref.worker_id for r in prompts]
+        placed = [gs.requests[r].worker.ref.worker_id[0] for r in prompts]
+        if decoding:
+            await gs.abort("busy")
         out = await _finish(gs, list(prompts))
         await gs.shutdown()
         return placed, out
 
-    # Queued prompt tokens (prefill, decode) before each: (0, 0) (40, 0) (80, 0) ->
-    # over 64: the decode worker, (80, 40) -> decode, (80, 80) -> a tie: prefill,
-    # (120, 80) -> decode.
-    placed, out = asyncio.run(run(max_prefill_queue_tokens=64))
-    assert placed == ["prefill-0", "prefill-0", "decode-1", "decode-1", "prefill-0",
-                      "decode-1"]
+    # Idle decode worker, (prefill, decode) costs of each prompt from r2 on, the first
+    # two being under the limit of 64: (120, 40) (120, 80) (120, 120): a tie, prefill
+    # first, (160, 120).
+    idle, out = asyncio.run(run(max_prefill_queue_tokens=64))
+    assert "".join(idle) == "ppddpd"
+    # One sequence decoding there doubles a prompt's cost on the decode worker:
+    # (120, 80) (120, 120) (160, 120) (160, 160).
+    busy, busy_out = asyncio.run(run(decoding=True, max_prefill_queue_tokens=64))
+    assert "".join(busy) == "ppdpdp"
     unbounded, expected = asyncio.run(run())
-    assert unbounded == ["prefill-0"] * 6
-    assert out == expected
+    assert "".join(unbounded) == "pppppp"
+    assert out == busy_out == expected
