@@ -143,9 +143,10 @@ def test_greedy_outputs_equal_the_one_process_engine(tiny_factory, make_cluster,
 
 @pytest.mark.slow
 def test_placement_by_prefill_backlog_keeps_the_greedy_text(tiny_factory, make_cluster):
-    """With ``max_prefill_queue_tokens`` 0 every prompt goes where the least prefill work
-    waits, decode worker included: whatever mix of local prefills and handoffs that
-    gives, the tokens are the one-process engine's and both pools end empty."""
+    """With ``max_prefill_queue_tokens`` 0 every prompt goes where it costs least (queued
+    prefill work, and the stall of the sequences a worker decodes), the decode worker
+    included: whatever mix of local prefills and handoffs that gives, the tokens are the
+    one-process engine's and both pools end empty."""
     model = tiny_factory("llama").path
     prompts = _prompts(24)
     engine = make_cluster(model, "1p1d", max_prefill_queue_tokens=0)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from workers.ops import AttentionMetadata, PrefillSegment, TorchOps
-from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
+from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels, onednn_linear_problem
 
 KVH, H, D = 2, 6, 16
 
@@ -189,8 +189,6 @@ def test_cpu_fused_ops_match_reference(kv_dtype):
 def test_packed_linear_matches_a_float64_matmul(ops, rows):
     """Each ops' packed linear is ``x @ W.T + b`` to fp32 rounding; on the CPU the
     weight really is packed for oneDNN (the fast path must not fall back silently)."""
-    from workers.ops.cpu_kernels import onednn_linear_problem
-
     g = torch.Generator().manual_seed(rows)
     x, w, b = torch.randn(rows, 96, generator=g), torch.randn(80, 96, generator=g), \
         torch.randn(80, generator=g)
