@@ -78,8 +78,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         name = served_model_name(config)
         print(f"Serving {name} at {url}/v1 (OpenAI API); Ctrl-C stops it.\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"""-d '{{"model": "{name}", "messages": [{{"role": "user", """
-              f""""content": "What is the capital of France?"}}]}}'""", flush=True)
+              f"""-d '{{"model": "{name}", "max_tokens": 64, "messages": [{{"role": """
+              f""""user", "content": "What is the capital of France?"}}]}}'""", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
