@@ -348,19 +348,17 @@ class GlobalScheduler:
         if not candidates:
             return None
         hashes = extend_block_hashes([], token_ids, self.block_size)
-        hits = {w: len(w.kv.pool.lookup(hashes)) for w in alive}
         limit = self.max_prefill_queue_tokens
-        if candidates[0].role == "prefill" and limit is not None:
-            queued = {w: _queued_prefill_tokens(w) for w in alive}
-            if min(queued[w] for w in candidates) >= limit:
-                def cost(w: _Worker) -> int:
-                    new = len(token_ids) - hits[w] * self.block_size
-                    return queued[w] + new * (1 + _num_decoding(w))
+        if (candidates[0].role == "prefill" and limit is not None
+                and min(_queued_prefill_tokens(w) for w in candidates) >= limit):
+            def cost(w: _Worker) -> int:
+                new = len(token_ids) - len(w.kv.pool.lookup(hashes)) * self.block_size
+                return _queued_prefill_tokens(w) + new * (1 + _num_decoding(w))
 
-                return min(alive, key=lambda w: (cost(w), w.role != "prefill",
-                                                 -w.kv.pool.num_free_blocks))
-        return min(candidates, key=lambda w: (-hits[w], len(w.batch.seqs),
-                                              -w.kv.pool.num_free_blocks))
+            return min(alive, key=lambda w: (cost(w), w.role != "prefill",
+                                             -w.kv.pool.num_free_blocks))
+        return min(candidates, key=lambda w: (-len(w.kv.pool.lookup(hashes)),
+                                              len(w.batch.seqs), -w.kv.pool.num_free_blocks))
 
     def _recompute(self, seq: Sequence, target: _Worker | None = None) -> None:
         """Queue a sequence for recomputation on ``target`` (else where ``_place`` says),
