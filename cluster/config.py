@@ -98,8 +98,9 @@ class ClusterConfig:
     ``name``: the global scheduler's actor name is ``llm-scheduler-<name>``.
     ``prefill_threshold``: prompts with fewer tokens are prefilled on a decode worker.
     ``max_prefill_queue_tokens``: once every prefill worker has this many prompt tokens
-    waiting, a prompt goes to the worker with the least prefill work, decode workers that
-    decode nothing included (None: prompts always wait for a prefill worker).
+    waiting, a prompt goes to the worker where it costs least: queued prefill tokens plus
+    its own, counted once more per sequence that worker decodes, decode workers included
+    (None: prompts always wait for a prefill worker).
     ``max_waiting``: requests queued (not yet running) before submissions are refused
     as overloaded. ``transfer_timeout_s``: a KV handoff slower than this is abandoned
     and the sequence recomputed.
