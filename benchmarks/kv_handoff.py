@@ -8,7 +8,13 @@ block size 16), one sequence's blocks (scattered block ids, as in a used pool) g
 - pickle: gather per-layer tensors -> pickle.dumps -> pickle.loads -> index_copy_ into
   the pool;
 - memcpy: one torch copy_ of the same number of bytes between two preallocated
-  contiguous tensors, the bandwidth ceiling of any copy on this machine.
+  contiguous tensors, the bandwidth ceiling of any copy on this machine;
+- the floor: each copy the Arrow path cannot avoid, timed alone on the same blocks --
+  the gather into a contiguous buffer, the object store's copy (``ray.put`` of that
+  buffer) and the scatter into the pool -- and the payload checksum, which the receiver
+  must compute before its first write into the pool (DESIGN.md; the sender's could in
+  principle ride along with its gather, so it is not counted). Their sum bounds what any
+  implementation of this contract can reach; "floor of memcpy" is memcpy's time over it.
 
 The Arrow path copies the payload three times (gather into a reused buffer, into the
 object store, scatter into the pool) and reads it twice (the sender's and the receiver's
@@ -39,7 +45,14 @@ import ray
 import torch
 
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
-from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
+from kvcache.kv_transfer import (
+    KVLayoutMeta,
+    _checksum,
+    _pool_slabs,
+    _slab_ids,
+    export_blocks,
+    import_blocks,
+)
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -75,6 +88,29 @@ def arrow_ray(src, dst, src_ids, dst_ids, meta, phases: dict[str, list[float]]) 
         phases[name].append(b - a)
 
 
+FLOOR_PARTS = ("gather", "put", "checksum", "scatter")
+
+
+def floor_parts(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor, rows: torch.Tensor,
+                parts: dict[str, list[float]]) -> None:
+    """Time the gather (into ``rows``, written before, as export's reused buffer is), the
+    store's copy, the scatter and one checksum, each alone."""
+    src_slabs, dst_slabs = _pool_slabs(src), _pool_slabs(dst)
+    rows = rows.view(src_slabs.dtype).view(-1, src_slabs.shape[1])
+    gather_ids, scatter_ids = _slab_ids(src_ids, src), _slab_ids(dst_ids, dst)
+    parts["gather"].append(timed(lambda: torch.index_select(src_slabs, 0, gather_ids,
+                                                            out=rows)))
+    payload = rows.view(torch.uint8).numpy().reshape(-1)
+    start = time.perf_counter()
+    ref = ray.put(payload)
+    parts["put"].append(time.perf_counter() - start)
+    del ref
+    n = len(src_ids)
+    parts["checksum"].append(timed(_checksum, payload, np.full(n, BLOCK_SIZE, np.int32),
+                                   [None] * n))
+    parts["scatter"].append(timed(dst_slabs.index_copy_, 0, scatter_ids, rows))
+
+
 def pickled(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     payload = pickle.dumps([kv.index_select(1, src_ids) for kv in src])
     for kv, blocks in zip(dst, pickle.loads(payload), strict=True):
@@ -99,21 +135,29 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
         nbytes = n * shape.bytes_per_block
         a = torch.empty(nbytes // shape.dtype.itemsize, dtype=shape.dtype).normal_()
         b = torch.empty_like(a)
+        gathered = torch.zeros_like(a)
         phases: dict[str, list[float]] = {"export": [], "put": [], "get": [], "import": []}
         ids_list, dst_list = src_ids.tolist(), dst_ids.tolist()
+        parts: dict[str, list[float]] = {k: [] for k in FLOOR_PARTS}
         times: dict[str, list[float]] = {"memcpy": [], "arrow_ray": [], "pickle": []}
         for _ in range(reps + 1):
             times["memcpy"].append(timed(b.copy_, a))
             times["arrow_ray"].append(timed(arrow_ray, src, dst, ids_list, dst_list, meta,
                                             phases))
             times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids))
-        del a, b
+            floor_parts(src, dst, src_ids, dst_ids, gathered, parts)
+        del a, b, gathered
         memcpy_s, arrow_s, pickle_s = (statistics.median(times[k][1:]) for k in times)
         assert all(torch.equal(d[:, dst_ids], s[:, src_ids]) for d, s in zip(dst, src))
         row = {"dtype": dtype_name, "tokens": tokens, "blocks": n, "bytes": nbytes,
                "MB": nbytes / 1e6,
                "memcpy_s": memcpy_s, "arrow_ray_s": arrow_s, "pickle_s": pickle_s}
         row |= {f"arrow_{k}_s": statistics.median(v[1:]) for k, v in phases.items()}
+        row |= {f"floor_{k}_s": statistics.median(v[1:]) for k, v in parts.items()}
+        copies_s = sum(row[f"floor_{k}_s"] for k in ("gather", "put", "scatter"))
+        row["floor_s"] = copies_s + row["floor_checksum_s"]
+        row["copies_frac_memcpy"] = memcpy_s / copies_s
+        row["floor_frac_memcpy"] = memcpy_s / row["floor_s"]
         for path in ("memcpy", "arrow_ray", "pickle"):
             row[f"{path}_GBps"] = nbytes / row[f"{path}_s"] / 1e9
         row["arrow_ray_frac_memcpy"] = row["arrow_ray_GBps"] / row["memcpy_GBps"]
@@ -134,6 +178,18 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['arrow_ray_s']:.3f} | {r['arrow_ray_GBps']:.2f} "
             f"| {r['arrow_ray_frac_memcpy']:.0%} | {phases} "
             f"| {r['pickle_s']:.3f} | {r['pickle_GBps']:.2f} | {r['pickle_frac_memcpy']:.0%} |")
+    lines += ["", "The floor: each unavoidable part alone (ms), and what they allow:", "",
+              "| dtype | tokens | memcpy | gather | put | scatter | checksum "
+              "| copies alone, of memcpy | floor (copies + 1 checksum), of memcpy "
+              "| arrow+ray, of memcpy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        parts = " | ".join(f"{1e3 * r[f'floor_{k}_s']:.1f}"
+                           for k in ("gather", "put", "scatter", "checksum"))
+        lines.append(
+            f"| {r['dtype']} | {r['tokens']} | {1e3 * r['memcpy_s']:.1f} | {parts} "
+            f"| {r['copies_frac_memcpy']:.0%} | {r['floor_frac_memcpy']:.0%} "
+            f"| {r['arrow_ray_frac_memcpy']:.0%} |")
     return "\n".join(lines)
 
 
