@@ -13,8 +13,9 @@ block size 16), one sequence's blocks (scattered block ids, as in a used pool) g
   the gather into a contiguous buffer, the object store's copy (``ray.put`` of that
   buffer) and the scatter into the pool -- and the payload checksum, which the receiver
   must compute before its first write into the pool (DESIGN.md; the sender's could in
-  principle ride along with its gather, so it is not counted). Their sum bounds what any
-  implementation of this contract can reach; "floor of memcpy" is memcpy's time over it.
+  principle ride along with its gather, so it is not counted). Their sum bounds what the
+  contract can reach with these copy routines (faster ones would still leave three copies
+  and a read); "floor of memcpy" is memcpy's time over it.
 
 The Arrow path copies the payload three times (gather into a reused buffer, into the
 object store, scatter into the pool) and reads it twice (the sender's and the receiver's
