@@ -343,8 +343,8 @@ class GlobalScheduler:
             order = ("prefill", "mixed", "decode")
         else:
             order = ("decode", "mixed", "prefill")
-        candidates = next(([w for w in alive if w.role == role] for role in order
-                           if any(w.role == role for w in alive)), [])
+        by_role = ([w for w in alive if w.role == role] for role in order)
+        candidates = next((found for found in by_role if found), [])
         if not candidates:
             return None
         hashes = extend_block_hashes([], token_ids, self.block_size)
