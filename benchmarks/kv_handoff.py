@@ -167,31 +167,35 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Markdown lines of a table with ``header`` and one line per row of cells."""
+    return [f"| {' | '.join(cells)} |" for cells in [header, ["---"] * len(header), *rows]]
+
+
 def markdown(rows: list[dict]) -> str:
-    lines = ["| dtype | tokens | MB | memcpy GB/s | arrow+ray s | GB/s | of memcpy "
-             "| export / put / get / import ms | pickle s | GB/s | of memcpy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        phases = " / ".join(f"{1e3 * r[f'arrow_{k}_s']:.1f}"
-                            for k in ("export", "put", "get", "import"))
-        lines.append(
-            f"| {r['dtype']} | {r['tokens']} | {r['MB']:.1f} | {r['memcpy_GBps']:.2f} "
-            f"| {r['arrow_ray_s']:.3f} | {r['arrow_ray_GBps']:.2f} "
-            f"| {r['arrow_ray_frac_memcpy']:.0%} | {phases} "
-            f"| {r['pickle_s']:.3f} | {r['pickle_GBps']:.2f} | {r['pickle_frac_memcpy']:.0%} |")
-    lines += ["", "The floor: each unavoidable part alone (ms), and what they allow:", "",
-              "| dtype | tokens | memcpy | gather | put | scatter | checksum "
-              "| copies alone, of memcpy | floor (copies + 1 checksum), of memcpy "
-              "| arrow+ray, of memcpy |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        parts = " | ".join(f"{1e3 * r[f'floor_{k}_s']:.1f}"
-                           for k in ("gather", "put", "scatter", "checksum"))
-        lines.append(
-            f"| {r['dtype']} | {r['tokens']} | {1e3 * r['memcpy_s']:.1f} | {parts} "
-            f"| {r['copies_frac_memcpy']:.0%} | {r['floor_frac_memcpy']:.0%} "
-            f"| {r['arrow_ray_frac_memcpy']:.0%} |")
-    return "\n".join(lines)
+    def ms(r: dict, prefix: str, keys: tuple[str, ...]) -> list[str]:
+        return [f"{1e3 * r[f'{prefix}_{k}_s']:.1f}" for k in keys]
+
+    handoff = table(
+        ["dtype", "tokens", "MB", "memcpy GB/s", "arrow+ray s", "GB/s", "of memcpy",
+         "export / put / get / import ms", "pickle s", "GB/s", "of memcpy"],
+        [[r["dtype"], str(r["tokens"]), f"{r['MB']:.1f}", f"{r['memcpy_GBps']:.2f}",
+          f"{r['arrow_ray_s']:.3f}", f"{r['arrow_ray_GBps']:.2f}",
+          f"{r['arrow_ray_frac_memcpy']:.0%}",
+          " / ".join(ms(r, "arrow", ("export", "put", "get", "import"))),
+          f"{r['pickle_s']:.3f}", f"{r['pickle_GBps']:.2f}", f"{r['pickle_frac_memcpy']:.0%}"]
+         for r in rows])
+    floor = table(
+        ["dtype", "tokens", "memcpy", "gather", "put", "scatter", "checksum",
+         "copies alone, of memcpy", "floor (copies + 1 checksum), of memcpy",
+         "arrow+ray, of memcpy"],
+        [[r["dtype"], str(r["tokens"]), f"{1e3 * r['memcpy_s']:.1f}",
+          *ms(r, "floor", ("gather", "put", "scatter", "checksum")),
+          f"{r['copies_frac_memcpy']:.0%}", f"{r['floor_frac_memcpy']:.0%}",
+          f"{r['arrow_ray_frac_memcpy']:.0%}"]
+         for r in rows])
+    return "\n".join([*handoff, "", "The floor: each unavoidable part alone (ms), and what "
+                       "they allow:", "", *floor])
 
 
 def main() -> None:
