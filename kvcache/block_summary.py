@@ -1,0 +1,93 @@
+"""Block summaries and top-k block selection for sparse-retrieval attention.
+
+A summary describes one pool block's post-RoPE keys per KV head, so a query can
+estimate how much attention the block would get without reading its keys:
+
+- ``mean``: the mean key (the reference design's representation vector); a block scores
+  ``q . mean``, the mean of its keys' logits;
+- ``minmax``: per-channel lower and upper bounds (Quest); a block scores
+  ``sum_d max(q_d * min_d, q_d * max_d)``, an upper bound on any of its keys' logits.
+
+Summaries are kept per *pool* block, where the KV is written, and combined into
+retrieval blocks (``retrieval_block_size`` tokens, several pool blocks) when scored:
+a mean of equal-sized blocks' means, a min of mins, a max of maxes, so a retrieval
+block's summary is exactly the one its keys would give. The query heads of a GQA
+group are combined by taking the best head's score: a block matters if it matters to
+any head that reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvcache.long_context import SUMMARY_KINDS
+
+
+def summary_width(kind: str) -> int:
+    """Vectors per (block, KV head): 1 for ``mean``, 2 (min, max) for ``minmax``."""
+    return SUMMARY_KINDS.index(kind) + 1
+
+
+def summarize(keys: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
+    """Summaries [n, S, KVH, D] (fp32) of ``keys`` [n, block_size, KVH, D], of which each
+    block's first ``counts[i]`` rows are written (the rest are ignored)."""
+    n, bs = keys.shape[:2]
+    k = keys.float()
+    valid = (torch.arange(bs, device=keys.device)[None, :] < counts[:, None])[..., None, None]
+    if kind == "mean":
+        total = torch.where(valid, k, 0.0).sum(1)
+        return (total / counts.clamp(min=1)[:, None, None].to(k.dtype)).unsqueeze(1)
+    lo = torch.where(valid, k, float("inf")).amin(1)
+    hi = torch.where(valid, k, float("-inf")).amax(1)
+    return torch.stack((lo, hi), dim=1)
+
+
+def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Tensor:
+    """Retrieval-block summaries [M, S, KVH, D] from the summaries of their full pool
+    blocks [M * per_block, S, KVH, D], in order."""
+    if per_block == 1:
+        return pool_summaries
+    m = pool_summaries.shape[0] // per_block
+    grouped = pool_summaries.view(m, per_block, *pool_summaries.shape[1:])
+    if kind == "mean":
+        return grouped.mean(1)
+    return torch.stack((grouped[:, :, 0].amin(1), grouped[:, :, 1].amax(1)), dim=1)
+
+
+def score(query: torch.Tensor, summaries: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scores [KVH, M] of retrieval blocks (``summaries`` [M, S, KVH, D]) for one token's
+    query heads ``query`` [H, D]; higher means more attention expected."""
+    m, _, kvh, d = summaries.shape
+    q = query.float().view(kvh, -1, d)                              # [KVH, G, D]
+    if kind == "mean":
+        s = torch.einsum("hgd,mhd->hgm", q, summaries[:, 0])
+    else:
+        lo = q[:, :, None, :] * summaries[:, 0].permute(1, 0, 2)[:, None]   # [KVH, G, M, D]
+        hi = q[:, :, None, :] * summaries[:, 1].permute(1, 0, 2)[:, None]
+        s = torch.maximum(lo, hi).sum(-1)
+    return s.amax(1)
+
+
+class BlockSelector(Protocol):
+    """Chooses the middle blocks a decode step attends to. The default scores every
+    block exactly; an external vector index can stand in behind the same call."""
+
+    def select(self, query: torch.Tensor, summaries: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices [KVH, k] (ascending per head) into ``summaries`` [M, S, KVH, D]."""
+        ...
+
+
+class ExactSelector:
+    """Top-k over the scores of every candidate block."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def select(self, query: torch.Tensor, summaries: torch.Tensor, k: int) -> torch.Tensor:
+        scores = score(query, summaries, self.kind)
+        if k >= scores.shape[1]:
+            idx = torch.arange(scores.shape[1], device=scores.device)
+            return idx.expand(scores.shape[0], -1)
+        return scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
