@@ -104,6 +104,8 @@ BENCHMARKS = {
              "serve --continuous-batching` (--help for its options)"),
     "decode-step": ("decode_step", "one decode step's split (attention, other ops, linear "
                     "layers) with the CPU kernels against the torch reference ops"),
+    "long-context-recall": ("long_context_recall", "the attention mass sparse retrieval's "
+                            "selected blocks capture on real text, against the oracle top-k"),
 }
 
 
