@@ -249,7 +249,7 @@ class ClusterEngine(ClusterClient):
                                              tokenizer=mc.tokenizer)
         self.model_config = ckpt.config
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
-                          config.cache, config.scheduler.max_model_len, 1)
+                          config.cache, config.scheduler.max_model_len, 1, config.long_context)
         self.workers: dict[str, Any] = {}
         try:
             refs = self._start_workers(spec)
@@ -280,7 +280,7 @@ class ClusterEngine(ClusterClient):
             self.config.scheduler.max_model_len, infos[0].model_max_len,
             min(i.num_blocks for i in infos) * self.config.cache.block_size)
         self._eos_token_ids = infos[0].eos_token_ids
-        return [WorkerRef(wid, roles[wid], actor, info.num_blocks)
+        return [WorkerRef(wid, roles[wid], actor, info.num_blocks, info.host_blocks)
                 for (wid, actor), info in zip(self.workers.items(), infos)]
 
     def _start_scheduler(self, refs: list[WorkerRef]) -> Any:
@@ -295,7 +295,8 @@ class ClusterEngine(ClusterClient):
                 num_cpus=0, max_concurrency=10_000).remote(
                 refs, cfg.scheduler, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
                 self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
-                cc.max_waiting, cc.transfer_timeout_s, cc.max_prefill_queue_tokens)
+                cc.max_waiting, cc.transfer_timeout_s, cc.max_prefill_queue_tokens,
+                cfg.long_context)
 
         try:
             return create()

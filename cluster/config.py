@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kvcache.config import CacheConfig
+from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
 from workers.device import DEVICES
 from workers.ops import OPS_BACKENDS
@@ -177,6 +178,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     serving: ServingConfig = field(default_factory=ServingConfig)
+    long_context: LongContextConfig = field(default_factory=LongContextConfig)
+
+    def __post_init__(self) -> None:
+        try:
+            self.long_context.check_block_size(self.cache.block_size)
+        except ValueError as e:
+            raise ConfigError(f"long_context.{e}") from e
 
 
 def with_overrides(config: EngineConfig, overrides: dict[tuple[str, str], Any]) -> EngineConfig:
@@ -201,7 +209,7 @@ def with_default_pools(config: EngineConfig) -> EngineConfig:
 def load_config(path: str | Path | None) -> EngineConfig:
     """Read and validate a YAML config file (None or an empty file: all defaults)."""
     if path is None:
-        return EngineConfig()
+        return config_from_dict({})
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file")
@@ -213,6 +221,18 @@ def load_config(path: str | Path | None) -> EngineConfig:
 
 
 def config_from_dict(data: Any) -> EngineConfig:
+    """Build and validate; ``long_context`` values the file leaves out may come from the
+    reference design's ``VLLM_RETRIEVAL_*`` variables (logged with their source)."""
+    if isinstance(data, dict) and (data.get("long_context") is None
+                                   or isinstance(data["long_context"], dict)):
+        data = dict(data)
+        try:
+            data["long_context"], sources = from_environment(data.get("long_context"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        config = _build(EngineConfig, data, "")
+        log_sources(config.long_context, sources)
+        return config
     return _build(EngineConfig, data, "")
 
 

@@ -21,6 +21,7 @@ from cluster.outputs import RequestOutput
 from kvcache.kv_cache_manager import KVCacheManager
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.protocol import SamplingParams, StepOutput, StepPlan, decode, encode
+from scheduler.tiering import TierPlanner
 from workers.device import resolve_device
 from workers.loading import Checkpoint, load_checkpoint
 from workers.model_runner import ModelRunner
@@ -100,7 +101,8 @@ class LocalEngine:
         model_max = ckpt.config.max_position_embeddings
         runner = ModelRunner(ckpt, config.cache, device,
                              max_model_len=config.scheduler.max_model_len or model_max,
-                             dtype=dtype, seed=mc.seed, ops=mc.ops)
+                             dtype=dtype, seed=mc.seed, ops=mc.ops,
+                             long_context=config.long_context)
         self.max_model_len = resolve_max_model_len(
             config.scheduler.max_model_len, model_max, runner.num_blocks * config.cache.block_size)
         self.runner = runner
@@ -109,7 +111,10 @@ class LocalEngine:
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:
             eos |= set(ckpt.tokenizer.eos_token_ids)
-        self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos))
+        tiers = (TierPlanner(config.long_context, kv, runner.long_context.host.num_blocks)
+                 if runner.long_context is not None else None)
+        self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos),
+                                        tiers)
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.step_records: list[StepRecord] | None = None  # a list records every step
 

@@ -18,9 +18,10 @@ from kvcache.block_pool import BlockPool
 
 @dataclass
 class SeqBlocks:
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # -1: the block's KV is elsewhere
     hashes: list[BlockHash] = field(default_factory=list)
     num_cached: int = 0  # leading blocks already registered in the prefix cache
+    extra_ids: list[int] = field(default_factory=list)  # blocks outside the table (recall)
 
 
 @dataclass
@@ -152,18 +153,47 @@ class KVCacheManager:
             num_cached=min(parent.num_cached, n_full))
         return copy
 
+    def release(self, seq_id: str, first: int, count: int) -> list[int]:
+        """Free ``count`` table blocks from index ``first`` on, whose KV moves to another
+        tier; their table entries become -1. Returns the freed block ids, in order."""
+        entry = self._seqs[seq_id]
+        ids = entry.block_ids[first:first + count]
+        if len(ids) != count or min(ids, default=0) < 0:
+            raise ValueError(f"sequence {seq_id!r}: blocks {first}..{first + count - 1} are "
+                             "not all in this pool")
+        self.pool.free(reversed(ids))
+        entry.block_ids[first:first + count] = [-1] * count
+        return ids
+
+    def allocate_extra(self, seq_id: str, n: int) -> list[int] | None:
+        """``n`` blocks held by the sequence outside its table (a recall cache), freed with
+        it; None when the pool is short (nothing changed)."""
+        ids = self.pool.allocate(n)
+        if ids is not None:
+            self._entry(seq_id).extra_ids.extend(ids)
+        return ids
+
+    def num_held_blocks(self, seq_id: str) -> int:
+        s = self._seqs.get(seq_id)
+        return sum(b >= 0 for b in s.block_ids) + len(s.extra_ids) if s else 0
+
     def free(self, seq_id: str) -> None:
         entry = self._seqs.pop(seq_id, None)
         if entry is not None:
-            self.pool.free(reversed(entry.block_ids))
+            self._free_blocks(entry)
 
     def reset(self, seq_id: str) -> None:
         """Free a preempted sequence's blocks but keep its hashes for the cache lookup."""
         entry = self._seqs.get(seq_id)
         if entry is not None:
-            self.pool.free(reversed(entry.block_ids))
+            self._free_blocks(entry)
             entry.block_ids = []
+            entry.extra_ids = []
             entry.num_cached = 0
+
+    def _free_blocks(self, entry: SeqBlocks) -> None:
+        self.pool.free(reversed(entry.extra_ids))
+        self.pool.free(b for b in reversed(entry.block_ids) if b >= 0)
 
     def _entry(self, seq_id: str) -> SeqBlocks:
         entry = self._seqs.get(seq_id)
@@ -180,5 +210,6 @@ class KVCacheManager:
             return
         extend_block_hashes(entry.hashes, token_ids[:n_full * self.block_size], self.block_size)
         for i in range(entry.num_cached, n_full):
-            self.pool.cache(entry.block_ids[i], entry.hashes[i])
+            if entry.block_ids[i] >= 0:
+                self.pool.cache(entry.block_ids[i], entry.hashes[i])
         entry.num_cached = n_full

@@ -32,13 +32,15 @@ from scheduler.sequence import (
     WaitingQueue,
     child_seq_id,
 )
+from scheduler.tiering import TierPlanner
 
 
 class BatchScheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 eos_token_ids: Seq[int]) -> None:
+                 eos_token_ids: Seq[int], tiers: TierPlanner | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.tiers = tiers  # long contexts: sparse modes and the host tier
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = WaitingQueue(config.policy == "priority")
@@ -139,8 +141,7 @@ class BatchScheduler:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while True:
-                added = self.kv.allocate(seq.seq_id, seq.token_ids, num_new,
-                                         seq.num_computed_tokens)
+                added = self._grow(seq, num_new)
                 if added is not None:
                     break
                 victim = self._pick_victim()
@@ -158,10 +159,21 @@ class BatchScheduler:
             budget = self._admit(budget, scheduled)
         return self._build_plan(scheduled.values())
 
+    def _grow(self, seq: Sequence, num_new: int) -> list[int] | None:
+        """Blocks for a running sequence's next ``num_new`` tokens, its tiers brought to
+        its mode first when this is a decode; None (nothing allocated) when short."""
+        decoding = num_new == 1 and 0 < seq.num_computed_tokens == seq.num_tokens - 1
+        if (decoding and self.tiers is not None
+                and not self.tiers.prepare(seq.seq_id, seq.num_tokens)):
+            return None
+        return self.kv.allocate(seq.seq_id, seq.token_ids, num_new, seq.num_computed_tokens)
+
     def _admit(self, budget: int, scheduled: dict[str, tuple[Sequence, int, list[int]]]) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None:
+                break
+            if self.tiers is not None and not self.tiers.admits(seq.num_tokens):
                 break
             hit = self.kv.find_cached_prefix(seq.seq_id, seq.token_ids)
             num_new = seq.num_tokens - hit.num_tokens
@@ -181,6 +193,8 @@ class BatchScheduler:
 
     def _build_plan(self, scheduled) -> StepPlan:
         plan = StepPlan(self._step, forks=self._forks, finished=self._drops)
+        if self.tiers is not None:
+            plan.tiers = self.tiers.take_changes()
         self._step += 1
         self._forks, self._drops = [], []
         for seq, n, added in scheduled:
@@ -289,6 +303,9 @@ class BatchScheduler:
                          reason, seq.stop_reason)
 
     def _drop_from_worker(self, seq: Sequence) -> None:
+        """The worker forgets the sequence; so do the tiers (the blocks go separately)."""
+        if self.tiers is not None:
+            self.tiers.release(seq.seq_id)
         if seq.seq_id in self._on_worker:
             self._on_worker.discard(seq.seq_id)
             self._drops.append(seq.seq_id)

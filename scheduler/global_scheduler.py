@@ -34,10 +34,12 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from kvcache.block_hash import extend_block_hashes
 from kvcache.kv_cache_manager import KVCacheManager
+from kvcache.long_context import LongContextConfig
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.config import SchedulerConfig
 from scheduler.protocol import SamplingParams, StepOutput, decode, encode
 from scheduler.sequence import SeqStatus, Sequence, SeqUpdate
+from scheduler.tiering import TierPlanner
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class WorkerRef:
     role: str
     actor: Any
     num_blocks: int
+    host_blocks: int = 0   # its host tier (long contexts)
 
 
 @dataclass
@@ -125,7 +128,8 @@ class GlobalScheduler:
                  enable_prefix_caching: bool, max_model_len: int, eos_token_ids: list[int],
                  prefill_threshold: int = 0, max_waiting: int = 1024,
                  transfer_timeout_s: float = 30.0,
-                 max_prefill_queue_tokens: int | None = None) -> None:
+                 max_prefill_queue_tokens: int | None = None,
+                 long_context: LongContextConfig | None = None) -> None:
         if not workers:
             raise ValueError("workers: got none; a cluster needs at least one worker")
         self.block_size = block_size
@@ -133,11 +137,13 @@ class GlobalScheduler:
         self.max_prefill_queue_tokens = max_prefill_queue_tokens
         self.max_waiting = max_waiting
         self.transfer_timeout_s = transfer_timeout_s
-        self.workers = [
-            _Worker(w, BatchScheduler(config, KVCacheManager(w.num_blocks, block_size,
-                                                             enable_prefix_caching),
-                                      max_model_len, eos_token_ids))
-            for w in workers]
+        self.workers = []
+        for w in workers:
+            kv = KVCacheManager(w.num_blocks, block_size, enable_prefix_caching)
+            tiers = (TierPlanner(long_context, kv, w.host_blocks)
+                     if long_context is not None and long_context.enabled else None)
+            self.workers.append(_Worker(w, BatchScheduler(config, kv, max_model_len,
+                                                          eos_token_ids, tiers)))
         self.requests: dict[str, _Request] = {}
         self.clients: dict[str, set[str]] = {}   # client -> its requests still known
         self.num_recovered = 0
@@ -256,6 +262,7 @@ class GlobalScheduler:
                 "step_times": asdict(t),   # sums, for windows: subtract two snapshots
                 "prefix_hit_rate": w.kv.stats.hit_rate,
                 "kv_sent": asdict(w.sent), "kv_received": asdict(w.received),
+                "tiers": asdict(w.batch.tiers.usage()) if w.batch.tiers else None,
             })
         return {"workers": workers,
                 "num_requests": len(self.requests),

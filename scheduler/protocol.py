@@ -124,6 +124,27 @@ class NewSequence:
 
 
 @dataclass
+class TierChange:
+    """A long sequence's new mode (a ``kvcache.long_context.KVMode`` value) and its blocks
+    that changed tier.
+
+    The device blocks ``offload_block_ids`` (the sequence's blocks from index
+    ``first_offloaded`` on, in order) are copied to the host blocks ``host_block_ids``
+    before the step writes anything: the scheduler has already freed them and may hand
+    them to another sequence in the same plan. ``recall_block_ids`` join the sequence's
+    recall cache. The first change of a sequence carries all of its host and recall
+    blocks.
+    """
+
+    seq_id: str
+    mode: int
+    first_offloaded: int = 0
+    offload_block_ids: list[int] = field(default_factory=list)
+    host_block_ids: list[int] = field(default_factory=list)
+    recall_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ContinuedSequence:
     """A sequence the worker holds: blocks appended to its table and tokens to run."""
 
@@ -154,8 +175,9 @@ class ForkedSequence:
 class StepPlan:
     """What one worker runs in one step; only what changed since the last step.
 
-    The worker applies, in order: forks, drops (``finished``), then runs ``new`` and
-    ``continued`` sequences in one forward pass, in the order given.
+    The worker applies, in order: forks, drops (``finished``), new sequences, tier
+    changes, then runs ``new`` and ``continued`` sequences in one forward pass, in the
+    order given.
     """
 
     step_id: int
@@ -163,6 +185,7 @@ class StepPlan:
     continued: list[ContinuedSequence] = field(default_factory=list)
     forks: list[ForkedSequence] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    tiers: list[TierChange] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -171,7 +194,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new or self.continued or self.forks or self.finished)
+        return not (self.new or self.continued or self.forks or self.finished or self.tiers)
 
 
 @dataclass
@@ -197,6 +220,17 @@ class SequenceOutput:
 
 
 @dataclass
+class TierStats:
+    """A worker's host tier and recall cache since it started (long-context sequences)."""
+
+    host_blocks: int = 0        # host-tier blocks in the worker's store
+    offloaded_blocks: int = 0   # pool blocks copied to the host tier
+    recalled_blocks: int = 0    # (layer, KV head) slices of pool blocks copied back
+    recall_hits: int = 0        # ... found in the recall cache instead
+    selections: int = 0         # (sequence, layer) top-k selections made
+
+
+@dataclass
 class WorkerStats:
     """A worker's view of itself after a step, for placement, metrics and autoscaling."""
 
@@ -208,6 +242,7 @@ class WorkerStats:
     prepare_s: float = 0.0   # laying out the step's inputs
     forward_s: float = 0.0   # the model, logits included
     sample_s: float = 0.0
+    tier: TierStats | None = None  # None when long contexts are off
 
 
 @dataclass

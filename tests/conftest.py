@@ -24,27 +24,29 @@ class TinyModel:
     hf: torch.nn.Module  # the transformers model, fp32, eval mode: the oracle
 
 
-def _hf_config(arch: str):
+def _hf_config(arch: str, max_positions: int | None = None):
     import transformers as tf
 
+    tiny = TINY if max_positions is None else {**TINY, "max_position_embeddings": max_positions}
     if arch == "llama":
-        return tf.LlamaConfig(**TINY, tie_word_embeddings=False)
+        return tf.LlamaConfig(**tiny, tie_word_embeddings=False)
     if arch == "llama3-rope":
-        return tf.LlamaConfig(**TINY, tie_word_embeddings=True, rope_theta=50000.0,
+        return tf.LlamaConfig(**tiny, tie_word_embeddings=True, rope_theta=50000.0,
                               rope_scaling={"rope_type": "llama3", "factor": 8.0,
                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 64})
     if arch == "qwen2":
-        return tf.Qwen2Config(**TINY, tie_word_embeddings=False, rope_theta=1e6)
+        return tf.Qwen2Config(**tiny, tie_word_embeddings=False, rope_theta=1e6)
     if arch == "qwen3":
-        return tf.Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+        return tf.Qwen3Config(**tiny, head_dim=32, tie_word_embeddings=True)
     if arch == "pangu":
-        return tf.LlamaConfig(**TINY, attention_bias=True, tie_word_embeddings=False,
+        return tf.LlamaConfig(**tiny, attention_bias=True, tie_word_embeddings=False,
                               rope_theta=16e6)
     raise ValueError(arch)
 
 
-def build_tiny(arch: str, directory: Path, seed: int = 0) -> TinyModel:
+def build_tiny(arch: str, directory: Path, seed: int = 0,
+               max_positions: int | None = None) -> TinyModel:
     """A random checkpoint of ``arch`` saved as an HF directory, and its HF model.
 
     ``pangu`` is saved with openPangu-Embedded's config keys (``bias``) but its oracle
@@ -53,7 +55,7 @@ def build_tiny(arch: str, directory: Path, seed: int = 0) -> TinyModel:
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = _hf_config(arch)
+    cfg = _hf_config(arch, max_positions)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # larger biases than the init gives, so they matter
         for name, p in model.named_parameters():
@@ -77,6 +79,20 @@ def tiny_factory(tmp_path_factory):
     def get(arch: str) -> TinyModel:
         if arch not in cache:
             cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-{arch}"))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_long_factory(tmp_path_factory):
+    """Tiny checkpoints with a 2048-token window, for long-context tests."""
+    cache: dict[str, TinyModel] = {}
+
+    def get(arch: str) -> TinyModel:
+        if arch not in cache:
+            cache[arch] = build_tiny(arch, tmp_path_factory.mktemp(f"tiny-long-{arch}"),
+                                     max_positions=2048)
         return cache[arch]
 
     return get

@@ -9,6 +9,7 @@ all computed. It makes no scheduling decision: it runs what the plan says.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch
 
 from kvcache.config import CacheConfig
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
+from kvcache.long_context import LongContextConfig
 from scheduler.protocol import (
     ForkedSequence,
     NewSequence,
@@ -24,6 +26,7 @@ from scheduler.protocol import (
     SequenceOutput,
     StepOutput,
     StepPlan,
+    TierChange,
     WorkerStats,
 )
 from workers.loading import Checkpoint
@@ -31,6 +34,7 @@ from workers.models.decoder import DecoderLM
 from workers.ops import get_ops
 from workers.ops.base import AttentionMetadata, PrefillSegment
 from workers.sampler import Sampler, SamplingRow
+from workers.sparse_attention import LongContextAttention, SeqTierState
 
 
 @dataclass
@@ -41,6 +45,7 @@ class SeqState:
     block_ids: list[int]
     sampling: SamplingParams
     sample_index: int = 0
+    tier: SeqTierState | None = None  # long sequences: mode, host blocks, recall cache
 
 
 @dataclass
@@ -57,7 +62,8 @@ class PlanError(ValueError):
 class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache: CacheConfig, device: torch.device,
                  max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
-                 num_blocks: int | None = None, ops: str = "auto") -> None:
+                 num_blocks: int | None = None, ops: str = "auto",
+                 long_context: LongContextConfig | None = None) -> None:
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
@@ -71,6 +77,8 @@ class ModelRunner:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device)
+        self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
+                             if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
         self.seqs: dict[str, SeqState] = {}
 
@@ -81,6 +89,7 @@ class ModelRunner:
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
         scheduled = [self._add(s) for s in plan.new]
+        self._apply_tiers(plan.tiers)
         for c in plan.continued:
             state = self.seqs.get(c.seq_id)
             if state is None:
@@ -93,6 +102,8 @@ class ModelRunner:
                             num_tokens=sum(s.num_tokens for s in scheduled),
                             num_seqs=len(self.seqs), prepare_s=timing.prepare_s,
                             forward_s=timing.forward_s, sample_s=timing.sample_s)
+        if self.long_context is not None:
+            stats.tier = dataclasses.replace(self.long_context.stats)
         return StepOutput(plan.step_id, outputs, stats)
 
     def _add(self, s: NewSequence) -> _Scheduled:
@@ -100,6 +111,21 @@ class ModelRunner:
                          list(s.block_ids), s.sampling, s.sample_index)
         self.seqs[s.seq_id] = state
         return _Scheduled(s.seq_id, state, s.num_scheduled_tokens)
+
+    def _apply_tiers(self, changes: list[TierChange]) -> None:
+        for c in changes:
+            state = self.seqs.get(c.seq_id)
+            if state is None:
+                raise PlanError(f"tier change for sequence {c.seq_id!r} the worker does not "
+                                "hold")
+            state.tier = self._long_context().apply(state.tier, c, self.kv_caches,
+                                                    state.block_ids)
+
+    def _long_context(self) -> LongContextAttention:
+        if self.long_context is None:
+            raise PlanError("plan names a sparse or offloaded sequence, but this worker runs "
+                            "with long_context disabled")
+        return self.long_context
 
     def _apply_forks(self, forks: list[ForkedSequence]) -> None:
         copies = [(f.copy_src, f.copy_dst) for f in forks if f.copy_src >= 0]
@@ -129,8 +155,16 @@ class ModelRunner:
         inputs = self._prepare(scheduled)
         t1 = time.perf_counter()
         timing.prepare_s = t1 - t0
+        sparse = None
+        if self.long_context is not None:
+            nd = inputs.meta.num_decode_tokens
+            sparse = self.long_context.step(
+                [(s.state.block_ids, s.state.num_computed_tokens,
+                  s.state.num_computed_tokens + s.num_tokens) for s in scheduled],
+                [(s.state.tier, s.state.block_ids, s.state.num_computed_tokens + 1)
+                 for s in scheduled[:nd]])
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.meta)
+                                    inputs.meta, sparse)
         done = [i for i, s in enumerate(scheduled)
                 if s.state.num_computed_tokens + s.num_tokens == len(s.state.token_ids)]
         for s in scheduled:
@@ -179,7 +213,7 @@ class ModelRunner:
         decode_tables = np.zeros((nd, width), dtype=np.int64)
         for i in range(nd):
             nb = -(-int(seq_lens[i]) // bs)
-            decode_tables[i, :nb] = tables[i][:nb]
+            decode_tables[i, :nb] = np.maximum(tables[i][:nb], 0)  # -1: in the host tier
         prefills = [PrefillSegment(int(offsets[i]), int(counts[i]), int(seq_lens[i]),
                                    torch.as_tensor(tables[i], device=dev))
                     for i in range(nd, len(scheduled))]

@@ -17,6 +17,7 @@ import torch
 
 from kvcache.config import CacheConfig
 from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
+from kvcache.long_context import LongContextConfig
 from scheduler.protocol import StepPlan, decode, encode
 from workers.device import resolve_device
 from workers.loading import load_checkpoint
@@ -38,6 +39,7 @@ class WorkerSpec:
     cache: CacheConfig
     max_model_len: int | None
     num_threads: int
+    long_context: LongContextConfig | None = None
 
 
 @dataclass
@@ -49,6 +51,7 @@ class WorkerInfo:
     model_max_len: int
     fingerprint: str
     eos_token_ids: list[int]
+    host_blocks: int = 0  # the host tier's blocks (long contexts)
 
 
 class Worker:
@@ -62,13 +65,14 @@ class Worker:
         model_max = ckpt.config.max_position_embeddings
         self.runner = ModelRunner(ckpt, spec.cache, resolve_device(spec.device),
                                   max_model_len=spec.max_model_len or model_max, dtype=dtype,
-                                  seed=spec.seed, ops=spec.ops)
+                                  seed=spec.seed, ops=spec.ops, long_context=spec.long_context)
         self.meta = KVLayoutMeta.from_shape(self.runner.kv_shape, ckpt.fingerprint)
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:
             eos |= set(ckpt.tokenizer.eos_token_ids)
+        lc = self.runner.long_context
         self.info_ = WorkerInfo(self.runner.num_blocks, spec.cache.block_size, model_max,
-                                ckpt.fingerprint, sorted(eos))
+                                ckpt.fingerprint, sorted(eos), lc.host.num_blocks if lc else 0)
 
     def info(self) -> WorkerInfo:
         return self.info_
@@ -90,7 +94,10 @@ class Worker:
 
         Raises ``KVTransferError`` (pool untouched) when the batch does not fit this pool.
         """
-        import_blocks(batch, self.runner.kv_caches, block_ids, self.meta)
+        imported = import_blocks(batch, self.runner.kv_caches, block_ids, self.meta)
+        if self.runner.long_context is not None:
+            self.runner.long_context.summarize_blocks(self.runner.kv_caches, imported.block_ids,
+                                                      imported.token_counts)
         return batch.nbytes
 
     def ping(self) -> str:

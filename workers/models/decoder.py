@@ -10,12 +10,16 @@ Attention, KV writes, norms and rotary go through the ops seam.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from workers.model_config import ModelArchConfig
 from workers.ops.base import AttentionMetadata, Ops
+
+if TYPE_CHECKING:
+    from workers.sparse_attention import SparseStep
 
 
 def rope_tables(cfg: ModelArchConfig, max_positions: int,
@@ -86,14 +90,19 @@ class DecoderLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for a flat batch of tokens."""
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                sparse: SparseStep | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flat batch of tokens.
+
+        ``sparse`` (long contexts) refreshes block summaries after each layer's KV write
+        and gives the layer's decodes their per-KV-head block tables."""
         cfg, ops = self.cfg, self.ops
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         x = ops.rms_norm(h, self.layers[0].in_norm, cfg.rms_norm_eps)
         next_norms = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches,
+                                                             next_norms)):
             qkv = ops.linear(x, layer.qkv_w, layer.qkv_b)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(t, cfg.num_heads, cfg.head_dim)
@@ -104,7 +113,11 @@ class DecoderLM:
                 k = ops.rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q, k = ops.rotary(q, k, positions, self.cos, self.sin)
             ops.write_kv(k, v, kv_cache, meta.slot_mapping)
-            o = ops.attention(q, k, v, kv_cache, meta, self.scale)
+            layer_meta = meta
+            if sparse is not None:
+                sparse.after_write(i, kv_cache)
+                layer_meta = sparse.decode_meta(i, q, meta, kv_cache)
+            o = ops.attention(q, k, v, kv_cache, layer_meta, self.scale)
             h, x = ops.add_rms_norm(h, ops.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b),
                                     layer.post_norm, cfg.rms_norm_eps)
             mlp = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_w)), layer.down_w)

@@ -1,0 +1,122 @@
+"""Modes and tiers of long sequences on one worker: the scheduler's half of sparse
+retrieval (``kvcache.long_context`` has the rule, ``workers/sparse_attention.py`` the
+device work).
+
+Before a decode step the batch scheduler asks ``prepare`` to bring a sequence to the
+mode its length calls for. In offload mode every middle block the local window has
+left behind moves to a host block (its device block is freed at once: the worker copies
+it out before the step writes anything), and the sequence gets device blocks for its
+recall cache, ``top_k`` retrieval blocks' worth. A sequence's KV is always whole in
+exactly one of the two tiers, block by block; finishing, aborting or preempting a
+sequence frees both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache.block_pool import BlockPool
+from kvcache.kv_cache_manager import KVCacheManager
+from kvcache.long_context import KVMode, LongContextConfig
+from scheduler.protocol import TierChange
+
+
+@dataclass
+class _Tiers:
+    mode: KVMode = KVMode.DENSE
+    host_first: int = 0
+    host_ids: list[int] = field(default_factory=list)
+    num_recall: int = 0
+
+
+@dataclass
+class TierUsage:
+    """Blocks of both tiers, for stats and metrics."""
+
+    host_blocks: int
+    host_used: int
+    offloaded_seqs: int
+    sparse_seqs: int
+
+
+class TierPlanner:
+    def __init__(self, config: LongContextConfig, kv: KVCacheManager, host_blocks: int) -> None:
+        config.check_block_size(kv.block_size)
+        self.config = config
+        self.kv = kv
+        self.host = BlockPool(max(host_blocks, 1), enable_caching=False)
+        self.host_capacity = host_blocks
+        self._per_block = config.retrieval_block_size // kv.block_size
+        self._seqs: dict[str, _Tiers] = {}
+        self._pending: dict[str, TierChange] = {}
+
+    # ---- admission -----------------------------------------------------------------
+    def host_blocks_for(self, num_tokens: int) -> int:
+        """Host blocks a sequence of ``num_tokens`` tokens holds in offload mode."""
+        if self.config.mode(num_tokens) is not KVMode.OFFLOAD:
+            return 0
+        return self.config.layout(num_tokens).num_middle * self._per_block
+
+    def admits(self, num_tokens: int) -> bool:
+        """Whether the host tier has room for a new sequence of ``num_tokens`` tokens."""
+        return self.host_blocks_for(num_tokens + 1) <= self._host_free()
+
+    # ---- a decode step -------------------------------------------------------------
+    def prepare(self, seq_id: str, context_len: int) -> bool:
+        """Bring a decoding sequence to its mode at ``context_len`` tokens; False (nothing
+        changed) when a tier lacks room."""
+        mode = self.config.mode(context_len)
+        t = self._seqs.get(seq_id)
+        if t is None:
+            if mode is KVMode.DENSE:
+                return True
+            t = self._seqs[seq_id] = _Tiers()
+        offload, recall = [], 0
+        if mode is KVMode.OFFLOAD:
+            lay = self.config.layout(context_len)
+            bs = self.kv.block_size
+            if not t.host_ids:
+                t.host_first = lay.init_end // bs
+            start = t.host_first + len(t.host_ids)
+            offload = list(range(start, lay.local_start // bs))
+            recall = lay.top_k * self._per_block - t.num_recall
+            if len(offload) > self._host_free() or recall > self.kv.pool.num_free_blocks:
+                return False
+        if mode is t.mode and not offload and recall <= 0:
+            return True
+        change = self._pending.setdefault(seq_id, TierChange(seq_id, int(mode)))
+        change.mode = int(mode)
+        t.mode = mode
+        if offload:
+            host = self.host.allocate(len(offload)) or []
+            device = self.kv.release(seq_id, offload[0], len(offload))
+            if not change.host_block_ids:
+                change.first_offloaded = offload[0]
+            change.offload_block_ids.extend(device)
+            change.host_block_ids.extend(host)
+            t.host_ids.extend(host)
+        if recall > 0:
+            change.recall_block_ids.extend(self.kv.allocate_extra(seq_id, recall) or [])
+            t.num_recall += recall
+        return True
+
+    def take_changes(self) -> list[TierChange]:
+        changes = list(self._pending.values())
+        self._pending.clear()
+        return changes
+
+    def release(self, seq_id: str) -> None:
+        """Forget a sequence (finished, aborted, preempted, moved): free its host blocks.
+        Its device blocks, recall blocks included, go with ``KVCacheManager``."""
+        self._pending.pop(seq_id, None)
+        t = self._seqs.pop(seq_id, None)
+        if t is not None:
+            self.host.free(reversed(t.host_ids))
+
+    def usage(self) -> TierUsage:
+        modes = [t.mode for t in self._seqs.values()]
+        return TierUsage(self.host_capacity, self.host.num_used_blocks,
+                         modes.count(KVMode.OFFLOAD), modes.count(KVMode.SPARSE))
+
+    def _host_free(self) -> int:
+        return self.host.num_free_blocks if self.host_capacity else 0
