@@ -276,9 +276,11 @@ class ClusterEngine(ClusterClient):
         if len(fingerprints) != 1:
             raise RuntimeError(f"workers loaded different models ({sorted(fingerprints)}); "
                                "every worker must see the same checkpoint files")
+        bs, lc = self.config.cache.block_size, self.config.long_context
         self.max_model_len = resolve_max_model_len(
             self.config.scheduler.max_model_len, infos[0].model_max_len,
-            min(i.num_blocks for i in infos) * self.config.cache.block_size)
+            min(i.num_blocks for i in infos) * bs,
+            min(lc.longest_context(i.host_blocks, bs) for i in infos) if lc.enabled else None)
         self._eos_token_ids = infos[0].eos_token_ids
         return [WorkerRef(wid, roles[wid], actor, info.num_blocks, info.host_blocks)
                 for (wid, actor), info in zip(self.workers.items(), infos)]

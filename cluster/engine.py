@@ -30,8 +30,16 @@ from workers.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-def resolve_max_model_len(requested: int | None, model_max: int, pool_tokens: int) -> int:
-    """The context length to serve: the request, else the model's, within the pool."""
+def resolve_max_model_len(requested: int | None, model_max: int, pool_tokens: int,
+                          host_tokens: int | None = None) -> int:
+    """The context length to serve: the request, else the model's, within the pool (and,
+    with long contexts, within what the host tier holds of a sequence)."""
+    if host_tokens is not None:
+        if requested is not None and requested > host_tokens:
+            raise ValueError(f"max_model_len: got {requested}, but the host KV tier holds "
+                             f"the middle of at most {host_tokens} tokens; raise "
+                             "long_context.host_kv_bytes or lower max_model_len")
+        model_max = min(model_max, host_tokens)
     if requested is not None:
         if requested > model_max:
             raise ValueError(f"max_model_len: got {requested}; the model supports at most "
@@ -103,8 +111,6 @@ class LocalEngine:
                              max_model_len=config.scheduler.max_model_len or model_max,
                              dtype=dtype, seed=mc.seed, ops=mc.ops,
                              long_context=config.long_context)
-        self.max_model_len = resolve_max_model_len(
-            config.scheduler.max_model_len, model_max, runner.num_blocks * config.cache.block_size)
         self.runner = runner
         kv = KVCacheManager(runner.num_blocks, config.cache.block_size,
                             config.cache.enable_prefix_caching)
@@ -113,6 +119,9 @@ class LocalEngine:
             eos |= set(ckpt.tokenizer.eos_token_ids)
         tiers = (TierPlanner(config.long_context, kv, runner.long_context.host.num_blocks)
                  if runner.long_context is not None else None)
+        self.max_model_len = resolve_max_model_len(
+            config.scheduler.max_model_len, model_max, runner.num_blocks * config.cache.block_size,
+            tiers.longest_context if tiers else None)
         self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos),
                                         tiers)
         self.outputs = OutputProcessor(ckpt.tokenizer)

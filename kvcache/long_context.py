@@ -135,6 +135,19 @@ class LongContextConfig:
             return KVMode.DENSE
         return KVMode.SPARSE if num_tokens < self.offload_boundary else KVMode.OFFLOAD
 
+    def longest_context(self, host_blocks: int, block_size: int) -> int | None:
+        """The longest context whose middle fits ``host_blocks`` host blocks of
+        ``block_size`` tokens (None: no limit, long contexts being off)."""
+        if not self.enabled:
+            return None
+        rb = self.retrieval_block_size
+        middle = host_blocks * block_size // rb          # retrieval blocks the tier holds
+        longest = self.local_tokens + (middle + _round_up(self.initial_tokens, rb) // rb
+                                       + 1) * rb - 1
+        if longest < self.offload_boundary:
+            return self.offload_boundary - 1
+        return longest
+
     def layout(self, num_tokens: int) -> SparseLayout:
         """The regions of a context of ``num_tokens`` tokens (meaningful when sparse)."""
         rb = self.retrieval_block_size

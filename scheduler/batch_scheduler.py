@@ -41,7 +41,8 @@ class BatchScheduler:
         self.config = config
         self.kv = kv
         self.tiers = tiers  # long contexts: sparse modes and the host tier
-        self.max_model_len = max_model_len
+        # A sequence stops where the host tier could no longer hold its middle blocks.
+        self.max_model_len = min(max_model_len, tiers.longest_context) if tiers else max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting = WaitingQueue(config.policy == "priority")
         self.running: list[Sequence] = []
@@ -161,8 +162,11 @@ class BatchScheduler:
 
     def _grow(self, seq: Sequence, num_new: int) -> list[int] | None:
         """Blocks for a running sequence's next ``num_new`` tokens, its tiers brought to
-        its mode first when this is a decode; None (nothing allocated) when short."""
-        decoding = num_new == 1 and 0 < seq.num_computed_tokens == seq.num_tokens - 1
+        its mode first when this is a decode past its prompt (not a prompt's one-token last
+        chunk: an ``n > 1`` request forks after it, and children share the parent's
+        device blocks); None (nothing allocated) when short."""
+        decoding = (num_new == 1
+                    and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1)
         if (decoding and self.tiers is not None
                 and not self.tiers.prepare(seq.seq_id, seq.num_tokens)):
             return None

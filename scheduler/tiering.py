@@ -57,6 +57,11 @@ class TierPlanner:
             return 0
         return self.config.layout(num_tokens).num_middle * self._per_block
 
+    @property
+    def longest_context(self) -> int:
+        """Tokens a sequence may hold at most: its middle must fit the whole host tier."""
+        return self.config.longest_context(self.host_capacity, self.kv.block_size)
+
     def admits(self, num_tokens: int) -> bool:
         """Whether the host tier has room for a new sequence of ``num_tokens`` tokens."""
         return self.host_blocks_for(num_tokens + 1) <= self._host_free()
