@@ -87,6 +87,100 @@ def test_paged_decode_and_prefill_match_dense(ops, block_size, kv_dtype):
         torch.testing.assert_close(got[s:s + n], want, atol=1e-5, rtol=1e-5)
 
 
+SPARSE_LAYOUTS = [(bs, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)
+                  for bs in (16, 32)]
+
+
+def gathered_attention(q, cache, head_tables, head_lens, scale):
+    """Decodes q [n, H, D] over, for each KV head, the first head_lens tokens of the blocks
+    its head_tables row lists, gathered by hand and computed in float64."""
+    group, bs = H // KVH, cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        for kh in range(KVH):
+            n = int(head_lens[i, kh])
+            blocks = head_tables[i, kh, :math.ceil(n / bs)]
+            keys = cache[0, blocks, :, kh].reshape(-1, D)[:n].double()
+            values = cache[1, blocks, :, kh].reshape(-1, D)[:n].double()
+            for h in range(kh * group, (kh + 1) * group):
+                out[i, h] = torch.softmax(keys @ q[i, h].double() * scale, dim=0) @ values
+    return out
+
+
+def decode_meta(tables, lens, block_size, head_tables=None, head_lens=None):
+    """Decode-only metadata: one token per sequence, dense tables padded to one width."""
+    dense = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.long)
+    for i, t in enumerate(tables):
+        dense[i, :len(t)] = t
+    return AttentionMetadata(torch.zeros(len(tables), dtype=torch.long), len(tables), dense,
+                             torch.tensor(lens), [], block_size, head_tables, head_lens)
+
+
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+@pytest.mark.parametrize(("block_size", "kv_dtype"), SPARSE_LAYOUTS)
+def test_head_tables_of_every_block_give_the_dense_output_exactly(ops, block_size, kv_dtype):
+    """Dense decode is per-head decode with one table broadcast over heads: the same
+    computation, so a sparse selection that keeps every block changes no bit."""
+    lens = [1, 37, 300]
+    cache, tables, _ = scatter_sequences(lens, block_size, 64, seed=block_size, dtype=kv_dtype)
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(2))
+    dense = decode_meta(tables, lens, block_size)
+    width = dense.decode_block_tables.shape[1]
+    head = decode_meta(tables, lens, block_size,
+                       dense.decode_block_tables[:, None].expand(-1, KVH, width).contiguous(),
+                       dense.decode_seq_lens[:, None].expand(-1, KVH).contiguous())
+    unused = torch.empty(len(lens), KVH, D)
+    want = ops.attention(q, unused, unused, cache, dense, D ** -0.5)
+    assert torch.equal(ops.attention(q, unused, unused, cache, head, D ** -0.5), want)
+
+
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+@pytest.mark.parametrize(("block_size", "kv_dtype"), SPARSE_LAYOUTS)
+@pytest.mark.parametrize("full", [(), (1, 3)], ids=["all-sparse", "mixed"])
+def test_per_head_block_subsets_match_gathered_oracle(ops, block_size, kv_dtype, full):
+    """Each KV head reads its own random subset of its sequence's blocks, in a random
+    order, to its own length (the last listed block may be partial); the sequences in
+    ``full`` keep their whole table for every head, as next to sparse ones in a batch."""
+    lens = [300, 45, 200, 16]
+    cache, tables, _ = scatter_sequences(lens, block_size, 64, seed=3, dtype=kv_dtype)
+    g = torch.Generator().manual_seed(block_size)
+    chosen, head_lens = [], torch.empty(len(lens), KVH, dtype=torch.long)
+    for i, (table, length) in enumerate(zip(tables, lens)):
+        for kh in range(KVH):
+            if i in full:
+                chosen.append(table)
+                head_lens[i, kh] = length
+                continue
+            n = int(torch.randint(1, len(table) + 1, (1,), generator=g))
+            chosen.append(table[torch.randperm(len(table), generator=g)[:n]])
+            head_lens[i, kh] = (n - 1) * block_size + int(
+                torch.randint(1, block_size + 1, (1,), generator=g))
+    head_tables = torch.zeros(len(lens), KVH, max(len(c) for c in chosen), dtype=torch.long)
+    for row, c in zip(head_tables.view(-1, head_tables.shape[2]), chosen):
+        row[:len(c)] = c
+    q = torch.randn(len(lens), H, D, generator=g)
+    meta = decode_meta(tables, lens, block_size, head_tables, head_lens)
+    unused = torch.empty(len(lens), KVH, D)
+    got = ops.attention(q, unused, unused, cache, meta, D ** -0.5)
+    want = gathered_attention(q, cache, head_tables, head_lens, D ** -0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_decode_kernel_rejects_head_lengths_and_blocks_outside_its_inputs():
+    """Per-head tables come from a block selector: a length past the head's table or a
+    block outside the pool is an error, not a read out of bounds."""
+    assert load_cpu_kernels() is None
+    cache = torch.randn(2, 4, 16, KVH, D)
+    q = torch.randn(1, H, D)
+    tables = torch.tensor([[[0, 1], [2, 3]]])
+    with pytest.raises(RuntimeError, match="length 33 of sequence 0 head 1 outside 1..32"):
+        torch.ops.llm_cluster.paged_decode_attention(q, cache[0], cache[1], tables,
+                                                     torch.tensor([[32, 33]]), 1.0)
+    with pytest.raises(RuntimeError, match="block 4 outside the pool of 4"):
+        torch.ops.llm_cluster.paged_decode_attention(q, cache[0], cache[1], tables + 1,
+                                                     torch.tensor([[17, 17]]), 1.0)
+
+
 def test_write_kv_lands_in_the_mapped_slots():
     ops = TorchOps()
     cache = torch.zeros(2, 4, 16, KVH, D)

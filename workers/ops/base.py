@@ -26,6 +26,15 @@ class AttentionMetadata:
     The first ``num_decode_tokens`` tokens are single-token decodes, one per sequence,
     described by the ``decode_*`` tensors; the rest are prefill segments (whole
     prompts, chunks, or recomputations over a cached prefix).
+
+    A decode attends to the first ``len`` tokens of the blocks its table lists, in
+    order: every listed block is full but the last, which holds the remainder. Dense
+    decodes give one table per sequence, read by all its KV heads. Sparse attention
+    (initial, selected and recent blocks per head) gives each KV head its own table and
+    length instead, in ``decode_head_tables``/``decode_head_lens``: set together, they
+    replace ``decode_block_tables``/``decode_seq_lens``, and the blocks are read in place.
+    A dense table is the per-head table broadcast over heads, so the two give bit-equal
+    results when every head lists every block.
     """
 
     slot_mapping: torch.Tensor          # [T] int64 flat KV slot of every token
@@ -34,6 +43,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor       # [D] int64, context length incl. the new token
     prefills: list[PrefillSegment]
     block_size: int
+    decode_head_tables: torch.Tensor | None = None  # [D, KVH, W] int64
+    decode_head_lens: torch.Tensor | None = None    # [D, KVH] int64
+
+    def __post_init__(self) -> None:
+        if (self.decode_head_tables is None) != (self.decode_head_lens is None):
+            raise ValueError("decode_head_tables and decode_head_lens: set both or neither")
 
 
 class Ops(Protocol):

@@ -130,9 +130,11 @@ class CpuOps(TorchOps):
                 scale: float) -> torch.Tensor:
         if q.dtype != torch.float32 or kv_cache.dtype not in KERNEL_DTYPES:
             return super()._decode(q, kv_cache, meta, scale)
+        tables, lens = meta.decode_head_tables, meta.decode_head_lens
+        if tables is None:
+            tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return torch.ops.llm_cluster.paged_decode_attention(
-            q.contiguous(), kv_cache[0], kv_cache[1], meta.decode_block_tables,
-            meta.decode_seq_lens, scale)
+            q.contiguous(), kv_cache[0], kv_cache[1], tables, lens, scale)
 
 
 def cpu_ops(backend: str) -> TorchOps:

@@ -62,18 +62,26 @@ class TorchOps:
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
+        """Always per KV head (a dense table broadcast over heads), so that a sparse
+        selection of every block computes exactly what the dense decode does."""
         d, h, hd = q.shape
         _, _, bs, kvh, _ = kv_cache.shape
-        tables = meta.decode_block_tables
-        length = tables.shape[1] * bs
-        keys = kv_cache[0][tables].view(d, length, kvh, hd).to(q.dtype)
-        values = kv_cache[1][tables].view(d, length, kvh, hd).to(q.dtype)
+        tables, lens = meta.decode_head_tables, meta.decode_head_lens
+        if tables is None:
+            w = meta.decode_block_tables.shape[1]
+            tables = meta.decode_block_tables[:, None, :].expand(d, kvh, w)
+            lens = meta.decode_seq_lens[:, None].expand(d, kvh)
+        length = tables.shape[2] * bs
+        heads = torch.arange(kvh, device=q.device)[None, :, None]
+        # Each (sequence, head)'s blocks of its own head: [d, kvh, w, bs, hd].
+        keys = kv_cache[0].transpose(1, 2)[tables, heads].view(d, kvh, length, hd).to(q.dtype)
+        values = kv_cache[1].transpose(1, 2)[tables, heads].view(d, kvh, length, hd).to(q.dtype)
         qg = q.view(d, kvh, h // kvh, hd)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [d, kvh, g, L]
-        pad = torch.arange(length, device=q.device)[None, :] >= meta.decode_seq_lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [d, kvh, g, L]
+        pad = torch.arange(length, device=q.device) >= lens[:, :, None]
+        scores.masked_fill_(pad[:, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        return torch.matmul(probs, values.transpose(1, 2)).reshape(d, h, hd)
+        return torch.matmul(probs, values).reshape(d, h, hd)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 // Paged decode attention for CPUs: each query token attends to its sequence's KV
 // straight from the block pool, one (sequence, KV head) pair per task, so no
-// per-step copy of the context is made. Registered as
+// per-step copy of the context is made. Each task reads the block table and length of
+// its own (sequence, KV head), so sparse attention (a subset of blocks per KV head) runs
+// the code dense decode runs, whose one table is every head's. Registered as
 // torch.ops.llm_cluster.paged_decode_attention.
 //
 // Speed comes from three choices: the head size is a compile-time constant for the
@@ -187,13 +189,18 @@ inline void softmax(float* row, int64_t len) {
   for (i = 0; i < len; ++i) row[i] *= inv;
 }
 
+// block_tables [num_seqs, kv_heads, max_blocks] and seq_lens [num_seqs, kv_heads], read
+// through their strides (a dense table is expanded over heads with stride 0).
 template <typename T, int D>
 void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, double scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
-  const int64_t group = num_heads / kv_heads, max_blocks = block_tables.size(1);
+  const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int64_t kv_heads = key_cache.size(2), group = num_heads / kv_heads;
+  const int64_t max_len = block_tables.size(2) * block_size;
+  const int64_t table_seq = block_tables.stride(0), table_head = block_tables.stride(1);
+  const int64_t len_seq = seq_lens.stride(0), len_head = seq_lens.stride(1);
   const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -208,8 +215,13 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
     std::vector<float> rows(block_size * head_dim);  // one block's rows of this head, fp32
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = lens[s];
-      const int64_t* table = tables + s * max_blocks;
+      const int64_t len = lens[s * len_seq + h * len_head];
+      const int64_t* table = tables + s * table_seq + h * table_head;
+      TORCH_CHECK(len > 0 && len <= max_len, "paged_decode_attention: length ", len,
+                  " of sequence ", s, " head ", h, " outside 1..", max_len);
+      for (int64_t b = 0; b * block_size < len; ++b)
+        TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block ",
+                    table[b], " outside the pool of ", num_blocks);
       scores.resize(group * len);
       for (int64_t g = 0; g < group; ++g) {
         const float* src = qp + (s * num_heads + h * group + g) * head_dim;
@@ -270,24 +282,33 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
               "key/value caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(key_cache.size(3) == q.size(2), "head_dim of q and the cache differ");
   TORCH_CHECK(q.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
+  const int64_t num_seqs = q.size(0), kv_heads = key_cache.size(2);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
-                  block_tables.size(0) == q.size(0),
-              "block_tables must be a contiguous int64 [num_seqs, max_blocks] tensor");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.numel() == q.size(0),
-              "seq_lens must be int64 [num_seqs]");
+                  (block_tables.dim() == 2 ||
+                   (block_tables.dim() == 3 && block_tables.size(1) == kv_heads)) &&
+                  block_tables.size(0) == num_seqs,
+              "block_tables must be a contiguous int64 [num_seqs, max_blocks] or "
+              "[num_seqs, kv_heads, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong &&
+                  (seq_lens.dim() == 1 || (seq_lens.dim() == 2 && seq_lens.size(1) == kv_heads)) &&
+                  seq_lens.size(0) == num_seqs,
+              "seq_lens must be int64 [num_seqs] or [num_seqs, kv_heads]");
+  // One table and length per (sequence, KV head): a dense table is every head's.
+  const at::Tensor tables = block_tables.dim() == 3 ? block_tables
+      : block_tables.unsqueeze(1).expand({num_seqs, kv_heads, block_tables.size(1)});
+  const at::Tensor lens = seq_lens.dim() == 2 ? seq_lens
+      : seq_lens.unsqueeze(1).expand({num_seqs, kv_heads});
   auto out = at::empty_like(q);
   switch (key_cache.scalar_type()) {
     case at::kFloat:
-      decode_dispatch_head_dim<float>(out, q, key_cache, value_cache, block_tables, seq_lens,
-                                      scale);
+      decode_dispatch_head_dim<float>(out, q, key_cache, value_cache, tables, lens, scale);
       break;
     case at::kHalf:
-      decode_dispatch_head_dim<at::Half>(out, q, key_cache, value_cache, block_tables,
-                                         seq_lens, scale);
+      decode_dispatch_head_dim<at::Half>(out, q, key_cache, value_cache, tables, lens, scale);
       break;
     case at::kBFloat16:
-      decode_dispatch_head_dim<at::BFloat16>(out, q, key_cache, value_cache, block_tables,
-                                             seq_lens, scale);
+      decode_dispatch_head_dim<at::BFloat16>(out, q, key_cache, value_cache, tables, lens,
+                                             scale);
       break;
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
