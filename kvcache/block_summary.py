@@ -45,15 +45,16 @@ def summarize(keys: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tens
 
 
 def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Tensor:
-    """Retrieval-block summaries [M, S, KVH, D] from the summaries of their full pool
-    blocks [M * per_block, S, KVH, D], in order."""
+    """Retrieval-block summaries [..., M, S, KVH, D] from the summaries of their full pool
+    blocks [..., M * per_block, S, KVH, D], in order (any leading dims, e.g. layers)."""
     if per_block == 1:
         return pool_summaries
-    m = pool_summaries.shape[0] // per_block
-    grouped = pool_summaries.view(m, per_block, *pool_summaries.shape[1:])
+    *lead, n, s, kvh, d = pool_summaries.shape
+    grouped = pool_summaries.reshape(*lead, n // per_block, per_block, s, kvh, d)
     if kind == "mean":
-        return grouped.mean(1)
-    return torch.stack((grouped[:, :, 0].amin(1), grouped[:, :, 1].amax(1)), dim=1)
+        return grouped.mean(-4)
+    return torch.stack((grouped[..., 0, :, :].amin(-3), grouped[..., 1, :, :].amax(-3)),
+                       dim=-3)
 
 
 def score(query: torch.Tensor, summaries: torch.Tensor, kind: str) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The host tier: a worker's second KV block store, outside the device pool's budget.
 
 Middle blocks of sequences in offload mode live here; their summaries stay on the
-device (``summaries``), so a decode step scores every middle block without touching
-host memory and copies back only the blocks it selects. A block moves whole (every
+device (with the sequence, on the worker), so a decode step scores every middle block
+without touching host memory and copies back only the blocks it selects. A block moves whole (every
 layer) when offloaded, but comes back one (layer, KV head) slice at a time, since each
 layer and head selects its own blocks. Host memory is pinned on accelerators, so the
 copies can run asynchronously. Like the device pool, this holds tensors only: the
@@ -17,42 +17,26 @@ from kvcache.kv_tensors import KVShape
 
 
 class HostKVStore:
-    def __init__(self, shape: KVShape, num_blocks: int, summary_width: int,
-                 device: torch.device) -> None:
+    def __init__(self, shape: KVShape, num_blocks: int, pin: bool = False) -> None:
         self.num_blocks = num_blocks
-        pin = device.type != "cpu"
         self.kv = torch.zeros((shape.num_layers, 2, num_blocks, shape.block_size,
                                shape.num_kv_heads, shape.head_dim), dtype=shape.dtype,
                               pin_memory=pin)
-        self.summaries = torch.zeros((shape.num_layers, num_blocks, summary_width,
-                                      shape.num_kv_heads, shape.head_dim), device=device)
 
     @property
     def nbytes(self) -> int:
         return self.kv.nbytes
 
-    def offload(self, kv_caches: list[torch.Tensor], summaries: torch.Tensor,
-                device_ids: list[int], host_ids: list[int]) -> None:
-        """Copy the device blocks' KV (every layer) and summaries into host blocks."""
+    def offload(self, kv_caches: list[torch.Tensor], device_ids: list[int],
+                host_ids: list[int]) -> None:
+        """Copy the device blocks' KV (every layer) into host blocks."""
         src = torch.as_tensor(device_ids, device=kv_caches[0].device)
         dst = torch.as_tensor(host_ids)
         for layer, kv in enumerate(kv_caches):
             self.kv[layer].index_copy_(1, dst, kv.index_select(1, src).cpu())
-        self.summaries.index_copy_(1, dst.to(summaries.device), summaries.index_select(1, src))
 
     def recall(self, layer: int, head: int, kv_cache: torch.Tensor, host_ids: torch.Tensor,
                device_ids: torch.Tensor) -> None:
         """Copy one layer's KV head ``head`` of host blocks into device blocks."""
         block = self.kv[layer][:, host_ids, :, head]
         kv_cache[:, device_ids, :, head] = block.to(kv_cache.device, non_blocking=True)
-
-    def read(self, host_ids: list[int]) -> torch.Tensor:
-        """Every layer's KV of host blocks, [L, 2, n, block_size, KVH, D] (for export)."""
-        return self.kv[:, :, torch.as_tensor(host_ids)]
-
-    def write(self, host_ids: list[int], kv: torch.Tensor, summaries: torch.Tensor) -> None:
-        """Store received blocks ([L, 2, n, ...]) and their summaries ([L, n, S, KVH, D])."""
-        dst = torch.as_tensor(host_ids)
-        self.kv.index_copy_(2, dst, kv.to(self.kv.dtype).cpu())
-        self.summaries.index_copy_(1, dst.to(self.summaries.device),
-                                   summaries.to(self.summaries.device))

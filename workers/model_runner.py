@@ -162,7 +162,7 @@ class ModelRunner:
                 [(s.state.block_ids, s.state.num_computed_tokens,
                   s.state.num_computed_tokens + s.num_tokens) for s in scheduled],
                 [(s.state.tier, s.state.block_ids, s.state.num_computed_tokens + 1)
-                 for s in scheduled[:nd]])
+                 for s in scheduled[:nd]], inputs.meta)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.meta, sparse)
         done = [i for i, s in enumerate(scheduled)

@@ -71,13 +71,21 @@ class RecallCache:
 
 @dataclass
 class SeqTierState:
-    """A long sequence's tiers on this worker (see ``SeqTier``)."""
+    """A long sequence's tiers on this worker (see ``TierChange``).
+
+    ``summaries`` [L, capacity, S, KVH, D] holds the summaries of its first
+    ``num_summarized`` middle retrieval blocks, combined once when a block joins the
+    middle: a block's keys never change after that, and a step then scores the middle
+    without re-reading pool summaries, whether the blocks are on the device or not.
+    """
 
     mode: KVMode
     host_first: int = 0
     host_ids: list[int] = field(default_factory=list)
     recall: RecallCache | None = None
-    selections: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    summaries: torch.Tensor | None = None
+    num_summarized: int = 0
+    selections: dict[int, torch.Tensor] = field(default_factory=dict)
     steps: int = 0
 
 
@@ -88,11 +96,10 @@ class LongContextAttention:
         self.config = config
         self.shape = shape
         self.per_block = config.retrieval_block_size // shape.block_size
-        width = summary_width(config.summary)
-        self.summaries = torch.zeros((shape.num_layers, num_blocks, width, shape.num_kv_heads,
-                                      shape.head_dim), device=device)
+        self.summaries = torch.zeros((shape.num_layers, num_blocks, summary_width(config.summary),
+                                      shape.num_kv_heads, shape.head_dim), device=device)
         host_blocks = config.host_budget // shape.bytes_per_block
-        self.host = HostKVStore(shape, host_blocks, width, device)
+        self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu")
         self.selector = ExactSelector(config.summary)
         self.stats = TierStats(host_blocks=host_blocks)
         self._step = 0
@@ -105,25 +112,43 @@ class LongContextAttention:
             state = SeqTierState(KVMode(change.mode), change.first_offloaded)
         state.mode = KVMode(change.mode)
         if change.host_block_ids:
+            first, n = change.first_offloaded, len(change.host_block_ids)
             if not state.host_ids:
-                state.host_first = change.first_offloaded
-            self.host.offload(kv_caches, self.summaries, change.offload_block_ids,
-                              change.host_block_ids)
-            self.stats.offloaded_blocks += len(change.host_block_ids)
+                state.host_first = first
+            # Their summaries are taken while the blocks are still in the device pool. (A
+            # sequence new to this worker comes with -1 there already: use the change's.)
+            table = block_ids[:first] + change.offload_block_ids
+            self._summarize_middle(state, table, first + n)
+            self.host.offload(kv_caches, change.offload_block_ids, change.host_block_ids)
+            self.stats.offloaded_blocks += n
             state.host_ids.extend(change.host_block_ids)
-            first = change.first_offloaded
-            block_ids[first:first + len(change.host_block_ids)] = \
-                [-1] * len(change.host_block_ids)
-        self._grow_recall(state, change.recall_block_ids)
+            block_ids[first:first + n] = [-1] * n
+        if change.recall_block_ids:
+            if state.recall is None:
+                state.recall = RecallCache(self.per_block, self.shape.num_layers,
+                                           self.shape.num_kv_heads)
+            state.recall.grow(change.recall_block_ids)
         return state
 
-    def _grow_recall(self, state: SeqTierState, block_ids: list[int]) -> None:
-        if not block_ids:
+    def _summarize_middle(self, state: SeqTierState, block_ids: list[int], end: int) -> None:
+        """Extend the sequence's middle summaries to its pool blocks up to ``end``, from
+        the pool summaries of those (device) blocks."""
+        r = self.per_block
+        first = self.config.layout(end * self.shape.block_size).first_middle * r
+        start = first + state.num_summarized * r
+        if end <= start:
             return
-        if state.recall is None:
-            state.recall = RecallCache(self.per_block, self.shape.num_layers,
-                                       self.shape.num_kv_heads)
-        state.recall.grow(block_ids)
+        ids = torch.as_tensor(block_ids[start:end], device=self.summaries.device)
+        new = combine(self.summaries[:, ids], r, self.config.summary)
+        old = state.summaries
+        if old is None or old.shape[1] < state.num_summarized + new.shape[1]:
+            grown = torch.empty((new.shape[0], 2 * (state.num_summarized + new.shape[1]),
+                                 *new.shape[2:]), device=new.device)
+            if old is not None:
+                grown[:, :state.num_summarized] = old[:, :state.num_summarized]
+            state.summaries = old = grown
+        old[:, state.num_summarized:state.num_summarized + new.shape[1]] = new
+        state.num_summarized += new.shape[1]
 
     def summarize_blocks(self, kv_caches: list[torch.Tensor], block_ids: list[int],
                          counts: list[int]) -> None:
@@ -138,7 +163,8 @@ class LongContextAttention:
 
     # ---- one step ------------------------------------------------------------------
     def step(self, touched: list[tuple[list[int], int, int]],
-             decodes: list[tuple[SeqTierState | None, list[int], int]]) -> SparseStep:
+             decodes: list[tuple[SeqTierState | None, list[int], int]],
+             meta: AttentionMetadata) -> SparseStep:
         """The hooks of one forward pass. ``touched``: per scheduled sequence, its device
         table and the token range ``[start, end)`` this step writes; ``decodes``: per
         decode row, its tier state, device table and context length."""
@@ -151,24 +177,75 @@ class LongContextAttention:
                 counts.append(min(bs, end - b * bs))
         dev = self.summaries.device
         return SparseStep(self, torch.as_tensor(ids, device=dev),
-                          torch.as_tensor(counts, device=dev), decodes)
+                          torch.as_tensor(counts, device=dev), decodes, meta)
+
+
+@dataclass
+class _SparseRow:
+    """One sparse decode row of a step: where its selected blocks go in its table."""
+
+    row: int
+    state: SeqTierState
+    top_k: int
+    first: int            # table column of the first selected block
+    middle: torch.Tensor  # [M, r] device blocks (sparse) or host blocks (offload)
 
 
 class SparseStep:
-    """What the model calls around each layer's attention in one forward pass."""
+    """What the model calls around each layer's attention in one forward pass.
+
+    Everything but the selected middle blocks is the same in every layer: the per-head
+    tables are laid out once per step (dense rows as their table broadcast over heads,
+    sparse rows as initial blocks, room for the selection, local blocks) and each
+    layer writes only its selection into them.
+    """
 
     def __init__(self, owner: LongContextAttention, touched_ids: torch.Tensor,
                  touched_counts: torch.Tensor,
-                 decodes: list[tuple[SeqTierState | None, list[int], int]]) -> None:
+                 decodes: list[tuple[SeqTierState | None, list[int], int]],
+                 meta: AttentionMetadata) -> None:
         self.owner = owner
         self.touched_ids = touched_ids
         self.touched_counts = touched_counts
-        self.decodes = decodes
-        self.sparse = any(st is not None and st.mode is not KVMode.DENSE
-                          for st, _, _ in decodes)
-        for st, _, _ in decodes:
-            if st is not None:
-                st.steps += 1
+        self.rows: list[_SparseRow] = []
+        self.meta = meta
+        if any(st is not None and st.mode is not KVMode.DENSE for st, _, _ in decodes):
+            self.meta = self._layout(decodes, meta)
+
+    def _layout(self, decodes: list[tuple[SeqTierState | None, list[int], int]],
+                meta: AttentionMetadata) -> AttentionMetadata:
+        o = self.owner
+        bs, r, kvh = o.shape.block_size, o.per_block, o.shape.num_kv_heads
+        dev = meta.decode_block_tables.device
+        parts, lens = [], []
+        for i, (st, table, length) in enumerate(decodes):
+            if st is None or st.mode is KVMode.DENSE:
+                parts.append((meta.decode_block_tables[i, :-(-length // bs)], None, None))
+                lens.append(length)
+                continue
+            st.steps += 1
+            lay = o.config.layout(length)
+            first, m = lay.first_middle * r, lay.num_middle * r
+            o._summarize_middle(st, table, first + m)
+            if st.mode is KVMode.OFFLOAD:
+                off = first - st.host_first
+                middle = torch.as_tensor(st.host_ids[off:off + m])
+            else:
+                middle = torch.as_tensor(table[first:first + m], device=dev)
+            self.rows.append(_SparseRow(i, st, lay.top_k, first, middle.view(-1, r)))
+            parts.append((torch.as_tensor(table[:first], device=dev),
+                          lay.top_k * r,
+                          torch.as_tensor(table[lay.local_start // bs:-(-length // bs)],
+                                          device=dev)))
+            lens.append(lay.num_attended_tokens)
+        width = max(len(a) + (b or 0) + (0 if c is None else len(c)) for a, b, c in parts)
+        tables = torch.zeros((len(parts), kvh, width), dtype=torch.long, device=dev)
+        for i, (head, gap, tail) in enumerate(parts):
+            tables[i, :, :len(head)] = head
+            if tail is not None:
+                tables[i, :, len(head) + gap:len(head) + gap + len(tail)] = tail
+        head_lens = torch.tensor(lens, device=dev)[:, None].expand(-1, kvh).contiguous()
+        return dataclasses.replace(meta, decode_head_tables=tables, decode_head_lens=head_lens)
 
     def after_write(self, layer: int, kv_cache: torch.Tensor) -> None:
         """Refresh the summaries of the blocks this step wrote into."""
@@ -179,85 +256,46 @@ class SparseStep:
                 summarize(kv_cache[0][self.touched_ids], self.touched_counts,
                           o.config.summary))
 
-    def decode_meta(self, layer: int, q: torch.Tensor, meta: AttentionMetadata,
+    def decode_meta(self, layer: int, q: torch.Tensor,
                     kv_cache: torch.Tensor) -> AttentionMetadata:
-        """``meta`` with per-KV-head tables for the decode rows when any is sparse."""
-        if not self.sparse:
-            return meta
-        kvh = self.owner.shape.num_kv_heads
-        rows, lens = [], []
-        for i, (st, table, length) in enumerate(self.decodes):
-            if st is None or st.mode is KVMode.DENSE:
-                nb = -(-length // meta.block_size)
-                rows.append(meta.decode_block_tables[i, :nb].expand(kvh, nb))
-                lens.append(torch.full((kvh,), length, dtype=torch.long))
+        """The step's metadata with this layer's selected blocks in the sparse rows."""
+        tables = self.meta.decode_head_tables
+        for sr in self.rows:
+            chosen = self._select(layer, q[sr.row], sr)
+            if sr.state.mode is KVMode.OFFLOAD:
+                picked = self._recall(layer, sr, chosen, kv_cache)
             else:
-                row, n = self._sparse_row(layer, q[i], st, table, length, kv_cache)
-                rows.append(row)
-                lens.append(torch.full((kvh,), n, dtype=torch.long))
-        width = max(r.shape[1] for r in rows)
-        dev = meta.decode_block_tables.device
-        tables = torch.zeros((len(rows), kvh, width), dtype=torch.long, device=dev)
-        for i, r in enumerate(rows):
-            tables[i, :, :r.shape[1]] = r
-        return dataclasses.replace(meta, decode_head_tables=tables,
-                                   decode_head_lens=torch.stack(lens).to(dev))
+                picked = sr.middle[chosen].flatten(1)
+            tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
+        return self.meta
 
-    def _sparse_row(self, layer: int, q: torch.Tensor, st: SeqTierState, table: list[int],
-                    length: int, kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """[KVH, blocks] table of one sparse sequence at one layer, and its token count."""
-        o = self.owner
-        bs, r = o.shape.block_size, o.per_block
-        lay = o.config.layout(length)
-        first, m = lay.first_middle * r, lay.num_middle * r
-        dev = kv_cache.device
-        init = torch.as_tensor(table[:first], dtype=torch.long, device=dev)
-        local = torch.as_tensor(table[lay.local_start // bs:-(-length // bs)],
-                                dtype=torch.long, device=dev)
-        if st.mode is KVMode.OFFLOAD:
-            off = first - st.host_first
-            middle = torch.as_tensor(st.host_ids[off:off + m], dtype=torch.long)
-            summaries = o.host.summaries[layer][middle.to(o.summaries.device)]
-        else:
-            middle = torch.as_tensor(table[first:first + m], dtype=torch.long, device=dev)
-            summaries = o.summaries[layer][middle]
-        chosen = self._select(layer, q, st, combine(summaries, r, o.config.summary), lay.top_k)
-        if st.mode is KVMode.OFFLOAD:
-            picked = self._recall(layer, st, chosen, middle, kv_cache)
-        else:
-            picked = middle.view(-1, r)[chosen].flatten(1)
-        kvh = o.shape.num_kv_heads
-        row = torch.cat((init.expand(kvh, -1), picked, local.expand(kvh, -1)), dim=1)
-        return row, lay.num_attended_tokens
-
-    def _select(self, layer: int, q: torch.Tensor, st: SeqTierState, summaries: torch.Tensor,
-                k: int) -> torch.Tensor:
+    def _select(self, layer: int, q: torch.Tensor, sr: _SparseRow) -> torch.Tensor:
         """[KVH, k] middle indices, reused for ``reselect_every`` steps while the middle
-        region keeps its size."""
-        o = self.owner
+        keeps its size and k."""
+        o, st = self.owner, sr.state
+        m = sr.middle.shape[0]
         last = st.selections.get(layer)
-        if (last is not None and last[1].shape[1] == k and last[0] == summaries.shape[0]
-                and st.steps % o.config.reselect_every):
-            return last[1]
-        chosen = o.selector.select(q, summaries, k)
-        st.selections[layer] = (summaries.shape[0], chosen)
+        if (last is not None and (st.steps - 1) % o.config.reselect_every
+                and last.shape[1] == sr.top_k and int(last.max()) < m):
+            return last
+        chosen = o.selector.select(q, st.summaries[layer, :m], sr.top_k)
+        st.selections[layer] = chosen
         o.stats.selections += 1
         return chosen
 
-    def _recall(self, layer: int, st: SeqTierState, chosen: torch.Tensor,
-                middle_host: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _recall(self, layer: int, sr: _SparseRow, chosen: torch.Tensor,
+                kv_cache: torch.Tensor) -> torch.Tensor:
         """Device blocks [KVH, k*r] holding the chosen middle blocks, copying in misses."""
         o = self.owner
-        r, cache = o.per_block, st.recall
+        r, cache = o.per_block, sr.state.recall
         recall_ids = torch.as_tensor(cache.block_ids, dtype=torch.long).view(-1, r)
-        host = middle_host.view(-1, r)
         rows = []
-        for head in range(chosen.shape[0]):
-            slots, copies = cache.place(layer, head, chosen[head].tolist(), o._step)
+        for head, wanted in enumerate(chosen.tolist()):
+            slots, copies = cache.place(layer, head, wanted, o._step)
             if copies:
                 blocks = torch.as_tensor([b for b, _ in copies])
                 targets = torch.as_tensor([s for _, s in copies])
-                o.host.recall(layer, head, kv_cache, host[blocks].flatten(),
+                o.host.recall(layer, head, kv_cache, sr.middle[blocks].flatten(),
                               recall_ids[targets].flatten().to(kv_cache.device))
             o.stats.recalled_blocks += len(copies) * r
             o.stats.recall_hits += (len(slots) - len(copies)) * r

@@ -114,9 +114,9 @@ class DecoderLM:
             q, k = ops.rotary(q, k, positions, self.cos, self.sin)
             ops.write_kv(k, v, kv_cache, meta.slot_mapping)
             layer_meta = meta
-            if sparse is not None:
+            if sparse is not None:  # its metadata: per-head tables when a decode is sparse
                 sparse.after_write(i, kv_cache)
-                layer_meta = sparse.decode_meta(i, q, meta, kv_cache)
+                layer_meta = sparse.decode_meta(i, q, kv_cache)
             o = ops.attention(q, k, v, kv_cache, layer_meta, self.scale)
             h, x = ops.add_rms_norm(h, ops.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b),
                                     layer.post_norm, cfg.rms_norm_eps)

@@ -1,0 +1,48 @@
+"""Sparse and offloaded sequences across a prefill/decode handoff on a real local Ray
+instance: the 1P+1D cluster must give the one-process engine's greedy tokens.
+
+The prefill worker prefills densely and hands the blocks over; the decode worker
+recomputes the block summaries from the received keys, switches the sequence to its
+mode, offloads the middle blocks to its host tier, and selects and recalls blocks
+exactly as the one-process engine does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import LLM
+from cluster.cluster_engine import ClusterEngine
+from cluster.config import config_from_dict
+from tests.cluster.test_ray_cluster import GREEDY, _run, _wait_idle
+from tests.workers.test_sparse_attention import REGIONS, prompts
+
+pytestmark = pytest.mark.slow
+
+
+def _config(path: str, offload_boundary: int, pools: list[dict] | None = None):
+    data = {"model": {"path": path}, "cache": {"kv_cache_bytes": 4 << 20},
+            "long_context": {**REGIONS, "top_k_percent": 0.2,
+                             "offload_boundary": offload_boundary}}
+    if pools:
+        data["cluster"] = {"name": f"long-{offload_boundary}", "pools": pools,
+                           "prefill_threshold": 16, "max_prefill_queue_tokens": None}
+    return config_from_dict(data)
+
+
+@pytest.mark.parametrize("offload_boundary", [2048, 384], ids=["sparse", "offload"])
+def test_1p1d_matches_one_process(ray_instance, tiny_long_factory, offload_boundary):
+    path = tiny_long_factory("llama").path
+    llm = LLM(config=_config(path, offload_boundary))
+    local = [o.outputs[0].token_ids for o in
+             llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY)]
+    engine = ClusterEngine(_config(path, offload_boundary, [
+        {"role": "prefill", "resources": {"CPU": 0.5}},
+        {"role": "decode", "resources": {"CPU": 0.5}}]))
+    try:
+        assert _run(engine, prompts()) == local
+        decode = next(w for w in _wait_idle(engine)["workers"] if w["role"] == "decode")
+        assert decode["kv_received"]["count"] >= 3
+        assert decode["tiers"]["host_used"] == 0   # every sequence finished: both tiers free
+    finally:
+        engine.shutdown()
