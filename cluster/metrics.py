@@ -120,7 +120,37 @@ def _scheduler_lines(stats: dict[str, Any]) -> list[str]:
              per_worker(lambda w: w["kv_sent"]["failures"]))
     _counter(lines, "recovered_requests_total", "Requests recomputed after a worker loss.",
              [({}, stats["num_recovered"])])
+    _tier_lines(lines, [w for w in workers if w.get("tiers")])
     return lines
+
+
+def _tier_lines(lines: list[str], workers: list[dict[str, Any]]) -> None:
+    """The host KV tier and sparse retrieval, for workers with long contexts on."""
+    if not workers:
+        return
+
+    def per_worker(key: Any) -> list[tuple[dict[str, str], float]]:
+        return [({"worker": w["worker_id"], "role": w["role"]}, key(w)) for w in workers]
+
+    def worker_stat(name: str) -> Any:
+        return lambda w: (w.get("tier_stats") or {}).get(name, 0)
+
+    _gauge(lines, "host_kv_blocks", "Blocks of a worker's host KV tier.",
+           per_worker(lambda w: w["tiers"]["host_blocks"]))
+    _gauge(lines, "host_kv_usage_ratio", "Fraction of a worker's host KV blocks in use.",
+           per_worker(lambda w: w["tiers"]["host_used"] / max(w["tiers"]["host_blocks"], 1)))
+    _gauge(lines, "num_requests_sparse", "Sequences decoding with sparse attention, all KV "
+           "on the device.", per_worker(lambda w: w["tiers"]["sparse_seqs"]))
+    _gauge(lines, "num_requests_offloaded", "Sequences decoding with their middle KV "
+           "blocks in the host tier.", per_worker(lambda w: w["tiers"]["offloaded_seqs"]))
+    _counter(lines, "kv_offloaded_blocks_total", "KV blocks a worker copied to its host tier.",
+             per_worker(worker_stat("offloaded_blocks")))
+    _counter(lines, "kv_host_received_blocks_total", "KV blocks handoffs wrote straight "
+             "into a worker's host tier.", per_worker(worker_stat("received_blocks")))
+    _counter(lines, "kv_recalled_blocks_total", "(layer, KV head) block slices a worker "
+             "copied back from its host tier.", per_worker(worker_stat("recalled_blocks")))
+    _counter(lines, "kv_recall_hits_total", "Selected (layer, KV head) block slices found "
+             "in the recall cache.", per_worker(worker_stat("recall_hits")))
 
 
 def _labels(labels: dict[str, str]) -> str:

@@ -97,27 +97,32 @@ class KVCacheManager:
         self._cache_full_blocks(entry, token_ids, num_computed_tokens + num_new_tokens)
         return added
 
-    def reserve(self, seq_id: str, token_ids: Sequence[int],
-                num_tokens: int) -> tuple[list[int], list[int]] | None:
+    def reserve(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
+                skip: tuple[int, int] | None = None) -> tuple[list[int], list[int]] | None:
         """Blocks for a sequence whose first ``num_tokens`` tokens of KV come from another
         pool: (leading blocks this pool's prefix cache already holds, fresh blocks to
-        receive the rest). The fresh blocks enter the prefix cache only at ``commit``,
-        once their KV has arrived. None when the pool is short (nothing changed).
+        receive the rest, in order). The fresh blocks enter the prefix cache only at
+        ``commit``, once their KV has arrived. ``skip`` (first, end): table indices whose
+        KV goes to another tier instead; they get -1 and no block (a prefix hit stops
+        before them). None when the pool is short (nothing changed).
         """
+        first, end = skip or (0, 0)
         hit = self.find_cached_prefix(seq_id, token_ids[:num_tokens + 1])
-        need = self.num_blocks_needed(num_tokens) - len(hit.block_ids)
-        reusable = sum(1 for b in hit.block_ids if self.pool.ref_count(b) == 0)
+        hit_ids = hit.block_ids[:first] if skip else hit.block_ids
+        need = self.num_blocks_needed(num_tokens) - len(hit_ids) - (end - first)
+        reusable = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
         if need > self.pool.num_free_blocks - reusable:
             self._seqs.pop(seq_id, None)
             return None
         self.stats.queried_tokens += num_tokens
-        self.stats.hit_tokens += hit.num_tokens
-        self.pool.share(hit.block_ids)
+        self.stats.hit_tokens += len(hit_ids) * self.block_size
+        self.pool.share(hit_ids)
         fresh = self.pool.allocate(need) or []
         entry = self._entry(seq_id)
-        entry.block_ids = hit.block_ids + fresh
-        entry.num_cached = len(hit.block_ids)
-        return hit.block_ids, fresh
+        before = first - len(hit_ids) if skip else len(fresh)
+        entry.block_ids = hit_ids + fresh[:before] + [-1] * (end - first) + fresh[before:]
+        entry.num_cached = len(hit_ids)
+        return hit_ids, fresh
 
     def commit(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
         """Register the full blocks of a ``reserve``d sequence, now that their KV is here."""

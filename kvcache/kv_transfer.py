@@ -4,7 +4,9 @@ One row per block: ``block_hash`` (binary, null for a block not in the prefix ca
 ``num_tokens`` (int32) and ``kv``, the block's K and V of every layer as a fixed-shape
 tensor ``(num_layers, 2, block_size, kv_heads, head_dim)``. fp16/bf16 travel as their
 uint16 bit patterns (numpy and Arrow have no bfloat16), so any value, NaN payloads
-included, arrives bit for bit. The schema metadata names the layout and a checksum;
+included, arrives bit for bit. A sender with long contexts on adds ``summary``, each
+block's key summaries of every layer (``kvcache.block_summary``, fp32), so the receiver
+need not recompute them. The schema metadata names the layout and a checksum;
 the receiver checks all of it before it writes a byte into its pool, because a
 mismatched block is silently wrong attention rather than an error.
 
@@ -89,12 +91,24 @@ class ImportedBlocks:
     block_ids: list[int]
     block_hashes: list[bytes | None]
     token_counts: list[int]
+    summaries: torch.Tensor | None = None   # [rows, L, S, KVH, D] when the batch has them
+
+
+@dataclass
+class HostRows:
+    """Rows of a KV batch that go to a host tier's blocks instead of the pool: rows
+    ``first_row`` on, one per id of ``block_ids``, into ``kv`` [L, 2, blocks, ...]."""
+
+    first_row: int
+    block_ids: list[int]
+    kv: torch.Tensor
 
 
 def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
-                  meta: KVLayoutMeta) -> pa.RecordBatch:
-    """The blocks ``block_ids`` (in sequence order, any suffix of a sequence) as a KV batch."""
+                  meta: KVLayoutMeta, summaries: torch.Tensor | None = None) -> pa.RecordBatch:
+    """The blocks ``block_ids`` (in sequence order, any suffix of a sequence) as a KV batch,
+    with their ``summaries`` [n, L, S, KVH, D] when given."""
     _check_pool(kv_caches, meta)
     n = len(block_ids)
     if len(block_hashes) != n or len(token_counts) != n:
@@ -127,21 +141,33 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     flat = flat.view(value_type.to_pandas_dtype())
 
     hashes = list(block_hashes)
-    schema = pa.schema(meta.columns(), metadata={
-        **meta.metadata(), b"checksum": _checksum(flat, counts, hashes).encode()})
+    columns = meta.columns()
+    summary = None
+    if summaries is not None:
+        summary = np.ascontiguousarray(summaries.float().cpu().numpy()).reshape(n, -1)
+        columns.append(("summary", pa.fixed_shape_tensor(pa.float32(), summaries.shape[1:])))
+    schema = pa.schema(columns, metadata={
+        **meta.metadata(), b"checksum": _checksum(flat, counts, hashes, summary).encode()})
     # pa.py_buffer wraps ``flat`` in place and keeps it alive: no copy.
     values = pa.Array.from_buffers(value_type, flat.size, [None, pa.py_buffer(flat)])
-    kv_column = pa.ExtensionArray.from_storage(
-        schema.field("kv").type,
-        pa.FixedSizeListArray.from_arrays(values, math.prod(row_shape)))
-    return pa.RecordBatch.from_arrays(
-        [pa.array(hashes, type=pa.binary()), pa.array(counts, type=pa.int32()), kv_column],
-        schema=schema)
+    arrays = [pa.array(hashes, type=pa.binary()), pa.array(counts, type=pa.int32()),
+              _tensor_column(schema.field("kv").type, values, math.prod(row_shape))]
+    if summary is not None:
+        arrays.append(_tensor_column(schema.field("summary").type,
+                                     pa.array(summary.reshape(-1)), summary.shape[1]))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _tensor_column(tensor_type: pa.DataType, values: pa.Array, row_size: int) -> pa.Array:
+    return pa.ExtensionArray.from_storage(tensor_type,
+                                          pa.FixedSizeListArray.from_arrays(values, row_size))
 
 
 def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
-                  dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta) -> ImportedBlocks:
-    """Write the batch's blocks into ``dst_block_ids`` of this pool, row by row.
+                  dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta,
+                  host: HostRows | None = None) -> ImportedBlocks:
+    """Write the batch's blocks into ``dst_block_ids`` of this pool, row by row, except
+    the ``host`` rows, which go to host-tier blocks.
 
     Everything is checked first; on any KVTransferError the pool is untouched.
     """
@@ -154,9 +180,10 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                 f"KV batch {key.decode()}: received "
                 f"{'nothing' if got is None else repr(got.decode(errors='replace'))}, "
                 f"expected {want.decode()!r}")
-    if batch.num_rows != len(dst_block_ids):
+    num_host = len(host.block_ids) if host else 0
+    if batch.num_rows != len(dst_block_ids) + num_host:
         raise KVTransferError(f"KV batch rows: received {batch.num_rows}, expected "
-                              f"{len(dst_block_ids)} (one per destination block)")
+                              f"{len(dst_block_ids) + num_host} (one per destination block)")
     for name, want_type in expected_meta.columns():
         got_type = batch.schema.field(name).type if name in batch.schema.names else None
         if got_type != want_type:
@@ -175,7 +202,9 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     flat = _values_view(kv_storage.flatten())
     counts = counts_column.to_numpy()
     hashes = batch.column("block_hash").to_pylist()
-    checksum = _checksum(flat, counts, hashes)
+    summary = (_values_view(batch.column("summary").storage.flatten()).reshape(batch.num_rows, -1)
+               if "summary" in batch.schema.names else None)
+    checksum = _checksum(flat, counts, hashes, summary)
     if received.get(b"checksum") != checksum.encode():
         got = received.get(b"checksum", b"nothing").decode(errors="replace")
         raise KVTransferError(f"KV batch checksum: received {got!r}, computed {checksum!r} "
@@ -183,9 +212,23 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     _check_token_counts(counts, expected_meta.block_size, error=KVTransferError)
 
     pool_dtype = _WIRE[expected_meta.dtype][0]
-    device = kv_caches[0].device
     src = _read_only_tensor(flat).view(pool_dtype).view(
-        len(ids), expected_meta.num_layers, 2, _block_elems(expected_meta))
+        batch.num_rows, expected_meta.num_layers, 2, _block_elems(expected_meta))
+    h0 = host.first_row if host else batch.num_rows
+    _scatter(torch.cat((src[:h0], src[h0 + num_host:])) if num_host else src, kv_caches, ids)
+    if host:
+        rows = src[h0:h0 + num_host].view(num_host, *host.kv.shape[:2], *host.kv.shape[3:])
+        host.kv.index_copy_(2, torch.as_tensor(host.block_ids), rows.permute(1, 2, 0, 3, 4, 5))
+    summaries = None
+    if summary is not None:
+        summaries = _read_only_tensor(summary).view(
+            batch.num_rows, *batch.schema.field("summary").type.shape)
+    return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
+
+
+def _scatter(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray) -> None:
+    """Rows [n, L, 2, elems] into blocks ``ids`` of the pool."""
+    device = kv_caches[0].device
     src_words = _words(src.to(device))
     device_ids = torch.from_numpy(ids).to(device)
     slabs = _pool_slabs(kv_caches)
@@ -194,9 +237,8 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                           src_words.view(-1, src_words.shape[-1]))
     else:
         for layer, kv in enumerate(kv_caches):
-            for kind, slab in enumerate(_words(kv.view(2, num_blocks, -1))):
+            for kind, slab in enumerate(_words(kv.view(2, kv.shape[1], -1))):
                 slab.index_copy_(0, device_ids, src_words[:, layer, kind])
-    return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts])
 
 
 def to_ipc_bytes(batch: pa.RecordBatch) -> pa.Buffer:
@@ -245,8 +287,10 @@ def _check_token_counts(counts: np.ndarray, block_size: int,
         raise error(f"num_tokens[{bad[0]}]: got {counts[bad[0]]}; expected 1..{block_size}")
 
 
-def _checksum(kv: np.ndarray, counts: np.ndarray, hashes: Sequence[bytes | None]) -> str:
-    """BLAKE2b of the KV payload's 64 KiB chunk sums, then its tail, token counts and hashes.
+def _checksum(kv: np.ndarray, counts: np.ndarray, hashes: Sequence[bytes | None],
+              summaries: np.ndarray | None = None) -> str:
+    """BLAKE2b of the KV payload's 64 KiB chunk sums, then its tail, token counts, hashes
+    and summaries (a few percent of the payload, hashed whole).
 
     It guards against corruption in transit, not forgery (the transport is trusted), and
     must cost far less than a copy: a CRC over the payload ran at 2 GB/s per core, the
@@ -268,6 +312,8 @@ def _checksum(kv: np.ndarray, counts: np.ndarray, hashes: Sequence[bytes | None]
     digest.update(counts.astype("<i4").tobytes())
     for h in hashes:
         digest.update(b"\xff\xff\xff\xff" if h is None else len(h).to_bytes(4, "little") + h)
+    if summaries is not None:
+        digest.update(summaries.astype("<f4").tobytes())
     return f"sum64-{_CHECKSUM_CHUNK}-blake2b:{digest.hexdigest()}"
 
 

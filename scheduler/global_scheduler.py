@@ -37,7 +37,7 @@ from kvcache.kv_cache_manager import KVCacheManager
 from kvcache.long_context import LongContextConfig
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.config import SchedulerConfig
-from scheduler.protocol import SamplingParams, StepOutput, decode, encode
+from scheduler.protocol import SamplingParams, StepOutput, TierStats, decode, encode
 from scheduler.sequence import SeqStatus, Sequence, SeqUpdate
 from scheduler.tiering import TierPlanner
 
@@ -104,6 +104,7 @@ class _Worker:
     sent: TransferStats = field(default_factory=TransferStats)
     received: TransferStats = field(default_factory=TransferStats)
     reported_seqs: int = 0   # sequences the worker itself holds, after its last step
+    tier_stats: TierStats | None = None   # its host tier and recalls (long contexts)
 
     @property
     def role(self) -> str:
@@ -263,6 +264,7 @@ class GlobalScheduler:
                 "prefix_hit_rate": w.kv.stats.hit_rate,
                 "kv_sent": asdict(w.sent), "kv_received": asdict(w.received),
                 "tiers": asdict(w.batch.tiers.usage()) if w.batch.tiers else None,
+                "tier_stats": asdict(w.tier_stats) if w.tier_stats else None,
             })
         return {"workers": workers,
                 "num_requests": len(self.requests),
@@ -308,6 +310,7 @@ class GlobalScheduler:
                         self._start_handoff(w, w.batch.seqs[u.seq_id])
             t3 = time.perf_counter()
             w.reported_seqs = output.stats.num_seqs
+            w.tier_stats = output.stats.tier or w.tier_stats
             t = w.times
             t.steps += 1
             t.plan_s += t1 - t0
@@ -417,14 +420,20 @@ class GlobalScheduler:
         if not targets:
             return
         dst = max(targets, key=lambda w: w.kv.pool.num_free_blocks)
-        reserved = dst.kv.reserve(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        tiers = dst.batch.tiers
+        # A sequence that will decode in offload mode sends its middle to the host tier.
+        middle = tiers.middle_to_receive(seq.num_computed_tokens + 1) if tiers else None
+        reserved = dst.kv.reserve(seq.seq_id, seq.token_ids, seq.num_computed_tokens, middle)
         if reserved is None:
             return
         cached, fresh = reserved
+        host = _HostRows(middle[0] - len(cached), tiers.receive(seq.seq_id, middle)) \
+            if middle else _HostRows(0, [])
         src.batch.detach(seq.seq_id)
         self.requests[seq.request_id].worker = None
-        export = self._export(src, seq, len(cached), len(fresh)) if fresh else None
-        self._spawn(self._hand_off(src, dst, seq, fresh, export))
+        count = len(fresh) + len(host.block_ids)
+        export = self._export(src, seq, len(cached), count) if count else None
+        self._spawn(self._hand_off(src, dst, seq, fresh, host, export))
 
     def _export(self, src: _Worker, seq: Sequence, first: int, count: int) -> Any:
         """Submit the export of ``count`` blocks from block ``first`` on: (size, batch) refs."""
@@ -439,14 +448,15 @@ class GlobalScheduler:
                                                                      counts)
 
     async def _hand_off(self, src: _Worker, dst: _Worker, seq: Sequence, fresh: list[int],
-                        export: Any) -> None:
+                        host: _HostRows, export: Any) -> None:
         start = time.perf_counter()
         ok = False
         try:
-            if fresh:
+            if export is not None:
                 size_ref, batch_ref = export
                 nbytes, exported = await asyncio.wait_for(
-                    self._import(dst, fresh, size_ref, batch_ref), self.transfer_timeout_s)
+                    self._import(dst, fresh, host, size_ref, batch_ref),
+                    self.transfer_timeout_s)
                 elapsed = time.perf_counter() - start
                 for stats in (src.sent, dst.received):
                     stats.count += 1
@@ -468,7 +478,7 @@ class GlobalScheduler:
         src.kv.free(seq.seq_id)
         src.wake.set()
         if seq.is_finished:   # aborted meanwhile
-            dst.kv.free(seq.seq_id)
+            _drop_reservation(dst, seq)
             dst.wake.set()
             return
         if ok and dst.alive:
@@ -478,18 +488,19 @@ class GlobalScheduler:
         else:
             # Recompute on the decode side when it lives, so a transfer that keeps
             # failing cannot bounce the sequence between prefill and handoff forever.
-            dst.kv.free(seq.seq_id)
+            _drop_reservation(dst, seq)
             self._recompute(seq, dst if dst.alive else None)
         dst.wake.set()
 
     @staticmethod
-    async def _import(dst: _Worker, fresh: list[int], size_ref: Any,
+    async def _import(dst: _Worker, fresh: list[int], host: _HostRows, size_ref: Any,
                       batch_ref: Any) -> tuple[int, float]:
         """Once the export is done, import its batch (still in the object store) into
-        ``fresh``; returns (bytes, when the export was done)."""
+        ``fresh`` and the host rows; returns (bytes, when the export was done)."""
         await size_ref
         exported = time.perf_counter()
-        return await dst.ref.actor.import_kv.remote(batch_ref, fresh), exported
+        return await dst.ref.actor.import_kv.remote(batch_ref, fresh, host.first_row,
+                                                    host.block_ids), exported
 
     async def _check_alive(self, w: _Worker) -> None:
         """Ping a worker; only Ray's word that the actor died makes it lost (a slow
@@ -506,6 +517,22 @@ class GlobalScheduler:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+@dataclass
+class _HostRows:
+    """Rows of a handoff's batch, from ``first_row`` on, that go to the receiver's host
+    tier (``block_ids``), the middle of a sequence arriving in offload mode."""
+
+    first_row: int
+    block_ids: list[int]
+
+
+def _drop_reservation(dst: _Worker, seq: Sequence) -> None:
+    """Free what a handoff reserved on the receiver, in both tiers."""
+    dst.kv.free(seq.seq_id)
+    if dst.batch.tiers is not None:
+        dst.batch.tiers.release(seq.seq_id)
 
 
 def _queued_prefill_tokens(w: _Worker) -> int:

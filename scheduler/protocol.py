@@ -133,7 +133,8 @@ class TierChange:
     before the step writes anything: the scheduler has already freed them and may hand
     them to another sequence in the same plan. ``recall_block_ids`` join the sequence's
     recall cache. The first change of a sequence carries all of its host and recall
-    blocks.
+    blocks. The first ``num_received`` host blocks already hold their KV (a handoff wrote
+    it there); ``offload_block_ids`` name the sources of the rest.
     """
 
     seq_id: str
@@ -142,6 +143,7 @@ class TierChange:
     offload_block_ids: list[int] = field(default_factory=list)
     host_block_ids: list[int] = field(default_factory=list)
     recall_block_ids: list[int] = field(default_factory=list)
+    num_received: int = 0
 
 
 @dataclass
@@ -225,6 +227,7 @@ class TierStats:
 
     host_blocks: int = 0        # host-tier blocks in the worker's store
     offloaded_blocks: int = 0   # pool blocks copied to the host tier
+    received_blocks: int = 0    # pool blocks a handoff wrote straight into the host tier
     recalled_blocks: int = 0    # (layer, KV head) slices of pool blocks copied back
     recall_hits: int = 0        # ... found in the recall cache instead
     selections: int = 0         # (sequence, layer) top-k selections made

@@ -27,6 +27,7 @@ class _Tiers:
     host_first: int = 0
     host_ids: list[int] = field(default_factory=list)
     num_recall: int = 0
+    num_received: int = 0   # leading host blocks a handoff filled, not yet told the worker
 
 
 @dataclass
@@ -66,6 +67,27 @@ class TierPlanner:
         """Whether the host tier has room for a new sequence of ``num_tokens`` tokens."""
         return self.host_blocks_for(num_tokens + 1) <= self._host_free()
 
+    # ---- a handoff -----------------------------------------------------------------
+    def middle_to_receive(self, context_len: int) -> tuple[int, int] | None:
+        """Table indices [first, end) whose KV a handoff of a sequence about to decode at
+        ``context_len`` should write straight into the host tier: its middle, in offload
+        mode, when the tier has room (else None: the blocks arrive in the device pool and
+        move at the first step)."""
+        n = self.host_blocks_for(context_len)
+        if n == 0 or n > self._host_free():
+            return None
+        first = self.config.layout(context_len).init_end // self.kv.block_size
+        return first, first + n
+
+    def receive(self, seq_id: str, blocks: tuple[int, int]) -> list[int]:
+        """Host blocks for a handoff's middle blocks ``blocks`` (from
+        ``middle_to_receive``); the worker learns of them with the sequence's first
+        step."""
+        first, end = blocks
+        ids = self.host.allocate(end - first) or []
+        self._seqs[seq_id] = _Tiers(KVMode.DENSE, first, list(ids), num_received=len(ids))
+        return ids
+
     # ---- a decode step -------------------------------------------------------------
     def prepare(self, seq_id: str, context_len: int) -> bool:
         """Bring a decoding sequence to its mode at ``context_len`` tokens; False (nothing
@@ -87,11 +109,15 @@ class TierPlanner:
             recall = lay.top_k * self._per_block - t.num_recall
             if len(offload) > self._host_free() or recall > self.kv.pool.num_free_blocks:
                 return False
-        if mode is t.mode and not offload and recall <= 0:
+        if mode is t.mode and not offload and recall <= 0 and not t.num_received:
             return True
         change = self._pending.setdefault(seq_id, TierChange(seq_id, int(mode)))
         change.mode = int(mode)
         t.mode = mode
+        if t.num_received:
+            change.first_offloaded = t.host_first
+            change.host_block_ids.extend(t.host_ids[:t.num_received])
+            change.num_received, t.num_received = t.num_received, 0
         if offload:
             host = self.host.allocate(len(offload)) or []
             device = self.kv.release(seq_id, offload[0], len(offload))

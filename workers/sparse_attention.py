@@ -20,6 +20,7 @@ import torch
 from kvcache.block_summary import ExactSelector, combine, summarize, summary_width
 from kvcache.host_tier import HostKVStore
 from kvcache.kv_tensors import KVShape
+from kvcache.kv_transfer import HostRows, ImportedBlocks
 from kvcache.long_context import KVMode, LongContextConfig
 from scheduler.protocol import TierChange, TierStats
 from workers.ops.base import AttentionMetadata
@@ -102,6 +103,7 @@ class LongContextAttention:
         self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu")
         self.selector = ExactSelector(config.summary)
         self.stats = TierStats(host_blocks=host_blocks)
+        self._received: dict[int, torch.Tensor | None] = {}   # host block -> its summaries
         self._step = 0
 
     # ---- plan application ----------------------------------------------------------
@@ -115,12 +117,16 @@ class LongContextAttention:
             first, n = change.first_offloaded, len(change.host_block_ids)
             if not state.host_ids:
                 state.host_first = first
-            # Their summaries are taken while the blocks are still in the device pool. (A
-            # sequence new to this worker comes with -1 there already: use the change's.)
-            table = block_ids[:first] + change.offload_block_ids
-            self._summarize_middle(state, table, first + n)
-            self.host.offload(kv_caches, change.offload_block_ids, change.host_block_ids)
-            self.stats.offloaded_blocks += n
+            received = change.host_block_ids[:change.num_received]
+            if received:
+                self._extend_summaries(state, self._received_summaries(received))
+            sources = change.offload_block_ids
+            if sources:
+                # Summaries are taken while the blocks are still in the device pool.
+                ids = torch.as_tensor(sources, device=self.summaries.device)
+                self._extend_summaries(state, self.summaries[:, ids])
+                self.host.offload(kv_caches, sources, change.host_block_ids[len(received):])
+                self.stats.offloaded_blocks += len(sources)
             state.host_ids.extend(change.host_block_ids)
             block_ids[first:first + n] = [-1] * n
         if change.recall_block_ids:
@@ -130,36 +136,61 @@ class LongContextAttention:
             state.recall.grow(change.recall_block_ids)
         return state
 
-    def _summarize_middle(self, state: SeqTierState, block_ids: list[int], end: int) -> None:
-        """Extend the sequence's middle summaries to its pool blocks up to ``end``, from
-        the pool summaries of those (device) blocks."""
-        r = self.per_block
-        first = self.config.layout(end * self.shape.block_size).first_middle * r
-        start = first + state.num_summarized * r
-        if end <= start:
-            return
-        ids = torch.as_tensor(block_ids[start:end], device=self.summaries.device)
-        new = combine(self.summaries[:, ids], r, self.config.summary)
-        old = state.summaries
-        if old is None or old.shape[1] < state.num_summarized + new.shape[1]:
-            grown = torch.empty((new.shape[0], 2 * (state.num_summarized + new.shape[1]),
-                                 *new.shape[2:]), device=new.device)
-            if old is not None:
-                grown[:, :state.num_summarized] = old[:, :state.num_summarized]
-            state.summaries = old = grown
-        old[:, state.num_summarized:state.num_summarized + new.shape[1]] = new
-        state.num_summarized += new.shape[1]
+    def _extend_summaries(self, state: SeqTierState, pool_summaries: torch.Tensor) -> None:
+        """Append the middle retrieval blocks whose pool blocks' summaries [L, n, S, KVH, D]
+        come next in the sequence."""
+        new = combine(pool_summaries, self.per_block, self.config.summary)
+        have, m = state.num_summarized, new.shape[1]
+        if state.summaries is None or state.summaries.shape[1] < have + m:
+            grown = torch.empty((new.shape[0], 2 * (have + m), *new.shape[2:]),
+                                device=new.device)
+            if state.summaries is not None:
+                grown[:, :have] = state.summaries[:, :have]
+            state.summaries = grown
+        state.summaries[:, have:have + m] = new
+        state.num_summarized += m
 
     def summarize_blocks(self, kv_caches: list[torch.Tensor], block_ids: list[int],
                          counts: list[int]) -> None:
-        """Summaries of blocks whose KV arrived from elsewhere (a handoff): recomputed from
-        their keys, so they are exactly what the sender held."""
+        """Summaries of blocks whose KV arrived without them: recomputed from their keys,
+        so they are exactly what the sender held."""
         dev = self.summaries.device
         ids = torch.as_tensor(block_ids, device=dev)
         n = torch.as_tensor(counts, device=dev)
         for layer, kv in enumerate(kv_caches):
             self.summaries[layer].index_copy_(0, ids, summarize(kv[0][ids], n,
                                                                 self.config.summary))
+
+    def receive(self, kv_caches: list[torch.Tensor], imported: ImportedBlocks,
+                host: HostRows | None) -> None:
+        """Summaries of a handoff's blocks: those of the pool rows into the pool's, those
+        of the host rows kept until their sequence's first step (recomputed from the keys
+        when the batch has none)."""
+        n = len(imported.token_counts)
+        h0, nh = (host.first_row, len(host.block_ids)) if host else (n, 0)
+        rows = [i for i in range(n) if not h0 <= i < h0 + nh]
+        given = imported.summaries
+        if given is not None and given.shape[1:] != self.summaries[:, 0].shape:
+            given = None   # another summary kind: recompute
+        if given is None:
+            counts = [imported.token_counts[i] for i in rows]
+            self.summarize_blocks(kv_caches, imported.block_ids, counts)
+        elif rows:
+            ids = torch.as_tensor(imported.block_ids, device=self.summaries.device)
+            self.summaries.index_copy_(1, ids, given[rows].transpose(0, 1).to(ids.device))
+        for j, b in enumerate(host.block_ids if host else []):
+            self._received[b] = None if given is None else given[h0 + j].clone()
+        self.stats.received_blocks += nh
+
+    def _received_summaries(self, host_ids: list[int]) -> torch.Tensor:
+        """Pool summaries [L, n, S, KVH, D] of host blocks a handoff filled."""
+        kept = [self._received.pop(b, None) for b in host_ids]
+        if all(k is not None for k in kept):
+            return torch.stack(kept, dim=1).to(self.summaries.device)
+        keys = self.host.kv[:, 0, torch.as_tensor(host_ids)]          # [L, n, bs, KVH, D]
+        full = torch.full((len(host_ids),), self.shape.block_size)
+        return torch.stack([summarize(k, full, self.config.summary) for k in keys]).to(
+            self.summaries.device)
 
     # ---- one step ------------------------------------------------------------------
     def step(self, touched: list[tuple[list[int], int, int]],
@@ -226,7 +257,11 @@ class SparseStep:
             st.steps += 1
             lay = o.config.layout(length)
             first, m = lay.first_middle * r, lay.num_middle * r
-            o._summarize_middle(st, table, first + m)
+            end = first + m
+            start = first + st.num_summarized * r
+            if start < end:   # blocks that joined the middle since the last step
+                ids = torch.as_tensor(table[start:end], device=o.summaries.device)
+                o._extend_summaries(st, o.summaries[:, ids])
             if st.mode is KVMode.OFFLOAD:
                 off = first - st.host_first
                 middle = torch.as_tensor(st.host_ids[off:off + m])

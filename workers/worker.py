@@ -16,7 +16,7 @@ import pyarrow as pa
 import torch
 
 from kvcache.config import CacheConfig
-from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
+from kvcache.kv_transfer import HostRows, KVLayoutMeta, export_blocks, import_blocks
 from kvcache.long_context import LongContextConfig
 from scheduler.protocol import StepPlan, decode, encode
 from workers.device import resolve_device
@@ -85,19 +85,30 @@ class Worker:
                   token_counts: list[int]) -> tuple[int, pa.RecordBatch]:
         """The blocks as one KV batch, and its payload size. Called with two returns, so
         the scheduler learns the export is done without fetching the batch."""
+        lc = self.runner.long_context
+        summaries = lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1) if lc else None
         batch = export_blocks(self.runner.kv_caches, block_ids, block_hashes, token_counts,
-                              self.meta)
+                              self.meta, summaries)
         return batch.nbytes, batch
 
-    def import_kv(self, batch: pa.RecordBatch, block_ids: list[int]) -> int:
-        """Check a KV batch and scatter it into ``block_ids``; returns its payload size.
+    def import_kv(self, batch: pa.RecordBatch, block_ids: list[int], host_first_row: int = 0,
+                  host_block_ids: list[int] | None = None) -> int:
+        """Check a KV batch and scatter it into ``block_ids``, except its rows from
+        ``host_first_row`` on, one per ``host_block_ids``, which go to the host tier (a
+        sequence arriving in offload mode); returns its payload size.
 
         Raises ``KVTransferError`` (pool untouched) when the batch does not fit this pool.
         """
-        imported = import_blocks(batch, self.runner.kv_caches, block_ids, self.meta)
-        if self.runner.long_context is not None:
-            self.runner.long_context.summarize_blocks(self.runner.kv_caches, imported.block_ids,
-                                                      imported.token_counts)
+        lc = self.runner.long_context
+        host = None
+        if host_block_ids:
+            if lc is None:
+                raise ValueError("host_block_ids: this worker has no host tier "
+                                 "(long_context is disabled)")
+            host = HostRows(host_first_row, host_block_ids, lc.host.kv)
+        imported = import_blocks(batch, self.runner.kv_caches, block_ids, self.meta, host)
+        if lc is not None:
+            lc.receive(self.runner.kv_caches, imported, host)
         return batch.nbytes
 
     def ping(self) -> str:

@@ -108,6 +108,17 @@ def test_router_metrics_tpot_and_scheduler_gauges():
     text = m.render({"workers": [worker], "num_recovered": 0})
     assert 'llm_cluster_kv_cache_usage_ratio{role="decode",worker="decode-0"} 0.25' in text
     assert 'llm_cluster_kv_transfer_bytes_total{role="decode",worker="decode-0"} 1024' in text
+    assert "host_kv" not in text   # long contexts off: no tier series
+    worker["tiers"] = {"host_blocks": 64, "host_used": 16, "sparse_seqs": 1,
+                       "offloaded_seqs": 2}
+    worker["tier_stats"] = {"offloaded_blocks": 40, "received_blocks": 8,
+                            "recalled_blocks": 96, "recall_hits": 32}
+    text = m.render({"workers": [worker], "num_recovered": 0})
+    labels = '{role="decode",worker="decode-0"}'
+    for line in (f"host_kv_usage_ratio{labels} 0.25", f"num_requests_offloaded{labels} 2",
+                 f"kv_offloaded_blocks_total{labels} 40", f"kv_recall_hits_total{labels} 32",
+                 f"kv_host_received_blocks_total{labels} 8"):
+        assert f"llm_cluster_{line}" in text
 
 
 def test_presets_validate_and_default_yaml_is_the_serving_default():
