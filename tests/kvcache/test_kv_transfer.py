@@ -281,3 +281,40 @@ def test_export_refuses_inconsistent_arguments():
 def test_unreadable_ipc_bytes_are_a_transfer_error():
     with pytest.raises(KVTransferError, match="IPC stream"):
         from_ipc_buffer(b"\x00" * 7 + b"not arrow")
+
+
+@pytest.mark.parametrize("via_ipc", [False, True], ids=["batch", "ipc"])
+def test_summaries_and_host_rows_arrive_bit_exact(via_ipc):
+    """Summaries travel with their blocks; rows 1..2 go to host-tier blocks, the others to
+    the pool, each bit for bit."""
+    meta = make_meta(torch.float16)
+    src, dst = make_pool(meta, 8, seed=30), make_pool(meta, 8, seed=31)
+    summaries = torch.randn(5, meta.num_layers, 2, meta.num_kv_heads, meta.head_dim,
+                            generator=torch.Generator().manual_seed(32))
+    src_ids = [6, 1, 4, 0, 3]
+    batch = export_blocks(src, src_ids, *seq_blocks(meta, 5), meta, summaries)
+    if via_ipc:
+        batch = from_ipc_buffer(to_ipc_bytes(batch))
+    host_kv = torch.zeros(meta.num_layers, 2, 4, meta.block_size, meta.num_kv_heads,
+                          meta.head_dim, dtype=torch.float16)
+    got = import_blocks(batch, dst, [5, 2, 7], meta,
+                        kv_transfer.HostRows(1, [3, 0], host_kv))
+    assert torch.equal(got.summaries, summaries)
+    assert_blocks_equal(dst, [5, 2, 7], src, [6, 0, 3])
+    for layer, kv in enumerate(src):
+        assert torch.equal(bits(host_kv[layer][:, [3, 0]]), bits(kv[:, [1, 4]]))
+
+
+def test_corrupted_summaries_are_refused():
+    meta = make_meta(torch.float32)
+    src, dst = make_pool(meta, 4, seed=33), make_pool(meta, 4, seed=34)
+    summaries = torch.randn(2, meta.num_layers, 1, meta.num_kv_heads, meta.head_dim)
+    buf = bytearray(to_ipc_bytes(export_blocks(src, [0, 1], *seq_blocks(meta, 2), meta,
+                                               summaries)))
+    payload = summaries.numpy().tobytes()
+    at = bytes(buf).index(payload[:64])   # the summary column's bytes in the stream
+    buf[at + 5] ^= 0x01
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match="checksum"):
+        import_blocks(from_ipc_buffer(bytes(buf)), dst, [2, 3], meta)
+    assert_untouched(dst, before)

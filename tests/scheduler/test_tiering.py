@@ -40,7 +40,7 @@ from scheduler.protocol import (
     decode,
     encode,
 )
-from scheduler.sequence import SeqStatus
+from scheduler.sequence import SeqStatus, Sequence
 from scheduler.tiering import TierPlanner
 
 BS = 16
@@ -627,3 +627,31 @@ def test_request_longer_than_the_host_tier_holds_never_stalls_others(prompt_len,
         assert len(d.outputs["long"]) == 767 - prompt_len   # ended by length at the cap
     assert not d.sched.has_unfinished(), \
         f"stalled: {[(s.seq_id, s.num_tokens, s.status.value) for s in d.sched.seqs.values()]}"
+
+
+def test_a_handoff_in_offload_mode_receives_its_middle_in_the_host_tier():
+    """A sequence handed over to decode at 421 tokens gets no device blocks for its middle
+    (table indices 2..21: 32 initial tokens, the local window from 352): they are -1,
+    their KV goes to 20 host blocks, and the first decode step tells the worker so
+    (``num_received``) with nothing to copy, and adds the recall blocks."""
+    sched = make()
+    kv, tiers = sched.kv, sched.tiers
+    tokens = prompt(420) + [TOKEN]
+    middle = tiers.middle_to_receive(421)
+    assert middle == (2, 22)
+    cached, fresh = kv.reserve("r", tokens, 420, middle)
+    host = tiers.receive("r", middle)
+    table = kv.block_ids("r")
+    assert cached == [] and len(fresh) == 27 - 20 and len(host) == 20
+    assert table[2:22] == [-1] * 20 and -1 not in table[:2] + table[22:]
+    assert tiers.host.num_used_blocks == 20
+    seq = Sequence("r", "r", tokens, 420, sampling(4), 0)
+    seq.num_computed_tokens = 420
+    sched.adopt(seq, computed=True)
+    plan = sched.schedule()
+    (change,) = plan.tiers
+    assert (change.mode, change.first_offloaded, change.num_received) == (KVMode.OFFLOAD, 2, 20)
+    assert change.host_block_ids == host and change.offload_block_ids == []
+    assert len(change.recall_block_ids) == CFG.layout(421).top_k * PER_BLOCK
+    sched.abort("r")
+    assert tiers.host.num_used_blocks == 0 and kv.pool.num_used_blocks == 0

@@ -115,3 +115,37 @@ def test_summaries_match_the_keys_after_every_step(tiny_long_factory):
                 assert torch.equal(lc.summaries[layer][ids], want)
             checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("sender_long_context", [True, False], ids=["sent", "recomputed"])
+def test_summaries_survive_a_handoff(tiny_long_factory, sender_long_context):
+    """The receiver holds the sender's summaries of the handed-over blocks: taken from the
+    KV batch, or recomputed from the received keys when the sender sent none."""
+    from kvcache.config import CacheConfig
+    from kvcache.long_context import LongContextConfig
+    from scheduler.protocol import NewSequence, StepPlan, encode
+    from workers.worker import Worker, WorkerSpec
+
+    path = tiny_long_factory("qwen2").path
+    lc = LongContextConfig(**REGIONS)
+
+    def worker(long_context):
+        return Worker(WorkerSpec(path, None, "float32", "cpu", 0, "auto",
+                                 CacheConfig(kv_cache_bytes=1 << 20), None, 1, long_context),
+                      "mixed")
+
+    sender, receiver = worker(lc if sender_long_context else None), worker(lc)
+    prompt = prompts()[0][:100]                # 6 full blocks and 4 tokens
+    src, dst = [3, 0, 5, 1, 2, 6, 4], [9, 12, 7, 8, 10, 11, 13]
+    sender.step(encode(StepPlan(0, new=[NewSequence("s", prompt, 100, 0, src, 100, GREEDY)])))
+    counts = [16] * 6 + [4]
+    _, batch = sender.export_kv(src, [None] * 7, counts)
+    assert ("summary" in batch.schema.names) == sender_long_context
+    receiver.import_kv(batch, dst)
+    got = receiver.runner.long_context.summaries[:, dst]
+    ids = torch.tensor(src)
+    want = torch.stack([summarize(kv[0][ids], torch.tensor(counts), lc.summary)
+                        for kv in sender.runner.kv_caches])
+    assert torch.equal(got, want)
+    if sender_long_context:
+        assert torch.equal(got, sender.runner.long_context.summaries[:, src])
