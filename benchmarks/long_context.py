@@ -10,10 +10,12 @@
   against sparse+offload: time, and the device KV bytes the sequence holds (target:
   at most 35% of dense).
 - ``capacity``: how many 64K-token sequences decode at once in one device KV budget
-  (four dense sequences' worth), dense against offload, by running the real batch
-  scheduler and tier planner on that budget with stand-in model outputs (target: 2.5x).
+  (four dense sequences' worth, each with room for 1024 generated tokens), dense against
+  offload, by running the real batch scheduler and tier planner on that budget with
+  stand-in model outputs, 16 requests arriving together (target: 2.5x).
 
     python -m cluster bench long-context [--parts attention decode-step capacity]
+        [--json PATH] [--plot PNG]
 """
 
 from __future__ import annotations
@@ -183,32 +185,28 @@ def decode_step(checkpoint, context: int, batch: int, config: LongContextConfig 
 
 # ---- capacity ----------------------------------------------------------------------------
 def capacity(context: int, dense_seqs: int, config: LongContextConfig | None,
-             requests: int) -> dict[str, int]:
-    """Most sequences decoding at once, with no preemption in the last 50 steps, in a
-    device pool of ``dense_seqs`` dense sequences of ``context`` tokens."""
-    blocks_per_seq = -(-(context + 64) // BLOCK)
+             requests: int, max_tokens: int = 1024) -> dict[str, int]:
+    """Most sequences decoding at once in a device pool that holds ``dense_seqs`` dense
+    sequences of ``context`` prompt tokens plus ``max_tokens`` generated ones, when
+    ``requests`` such requests arrive together."""
+    blocks_per_seq = -(-(context + max_tokens) // BLOCK)
     kv = KVCacheManager(dense_seqs * blocks_per_seq, BLOCK, enable_caching=False)
-    host_blocks = requests * blocks_per_seq
-    tiers = TierPlanner(config, kv, host_blocks) if config is not None else None
-    sched = BatchScheduler(SchedulerConfig(max_num_seqs=requests), kv, context + 4096, [2],
-                           tiers)
-    sampling = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
+    tiers = TierPlanner(config, kv, requests * blocks_per_seq) if config is not None else None
+    sched = BatchScheduler(SchedulerConfig(max_num_seqs=requests), kv,
+                           context + max_tokens + 1, [2], tiers)
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for i in range(requests):
         sched.add(f"r{i}", torch.randint(3, 500, (context,), generator=g).tolist(), sampling)
-    best, quiet_since, preemptions = 0, 0, 0
-    for step in range(requests * (context // 2048 + 8) + 200):
+    best = 0
+    while sched.has_unfinished():
         plan = sched.schedule()
         outputs = [SequenceOutput(s.seq_id, [7]) for s in
                    (sched.seqs[p.seq_id] for p in [*plan.new, *plan.continued])
                    if s.num_computed_tokens == s.num_tokens]
         sched.update(StepOutput(plan.step_id, outputs))
-        if sched.num_preemptions != preemptions:
-            preemptions, quiet_since = sched.num_preemptions, step
-        decoding = sum(1 for s in sched.running if s.num_output_tokens > 0)
-        if step - quiet_since >= 50:
-            best = max(best, decoding)
-    return {"decoding": best, "preemptions": preemptions}
+        best = max(best, sum(1 for s in sched.running if s.num_output_tokens > 0))
+    return {"decoding": best, "preemptions": sched.num_preemptions}
 
 
 def main(argv: Sequence[str] | None = None,
@@ -220,6 +218,7 @@ def main(argv: Sequence[str] | None = None,
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--plot", type=Path, help="write the attention figure here (PNG)")
     args = p.parse_args(argv)
     torch.set_num_threads(NUM_THREADS)
     out: dict[str, Any] = {"date": datetime.date.today().isoformat(),
@@ -237,6 +236,10 @@ def main(argv: Sequence[str] | None = None,
                           f"{r['sparse_ms']:.2f} | {r['speedup']:.2f}x | {r['bound']:.2f}x | "
                           f"{r['of_bound']:.0%} |", flush=True)
         out["attention"] = rows
+        if args.plot:
+            from benchmarks.plot import plot_long_context
+
+            plot_long_context(rows, args.plot)
     if "decode-step" in args.parts:
         offload = LongContextConfig(enabled=True, dense_boundary=16384, offload_boundary=16384)
         rows = []

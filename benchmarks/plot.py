@@ -39,3 +39,33 @@ def plot_sweep(sweep: dict[str, dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_long_context(rows: list[dict[str, Any]], path: Path) -> None:
+    """Sparse ÷ dense decode-attention speedup against context, per budget and batch, with
+    the bound (dense tokens ÷ attended tokens) and 80% of it dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = sorted({r["budget"] for r in rows})
+    fig, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.2), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        mine = [r for r in rows if r["budget"] == budget]
+        contexts = sorted({r["context"] for r in mine})
+        bound = [next(r["bound"] for r in mine if r["context"] == c) for c in contexts]
+        ax.plot(contexts, bound, "k-", label="bound: dense ÷ attended tokens")
+        ax.plot(contexts, [0.8 * b for b in bound], "k--", label="80% of the bound")
+        for batch in sorted({r["batch"] for r in mine}):
+            pts = sorted((r["context"], r["speedup"]) for r in mine if r["batch"] == batch)
+            ax.plot(*zip(*pts), "o-", label=f"measured, batch {batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode attention speedup over dense")
+        ax.set_title(f"Sparse retrieval, {budget}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -314,12 +314,15 @@ def _live_actors(head: Head) -> list[str]:
 
 
 def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path):
+    # 12 tokens a row, EOS ignored: the job runs for about 20 s, so `ray job stop`
+    # (a CLI that takes seconds to start) still finds it running after the first flush.
     src = _write_jsonl(tmp_path / "prompts.jsonl",
-                       [{"prompt": f"Item {i}: the number {i} is"} for i in range(JOB_ROWS)])
+                       [{"prompt": f"Item {i}: the number {i} is", "ignore_eos": True}
+                        for i in range(JOB_ROWS)])
     out = tmp_path / "results.parquet"
     parts = tmp_path / "results.parquet.parts"
     command = ["--working-dir", ".", "--", "python", "-m", "cluster", "batch",
-               "--input", str(src), "--output", str(out), "--max-tokens", "4",
+               "--input", str(src), "--output", str(out), "--max-tokens", "12",
                "--window", "8", "--flush-rows", "5", "--no-progress"]
 
     _job(ray_head, "submit", "--submission-id", "batch-first", "--no-wait", *command)
