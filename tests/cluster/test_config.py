@@ -79,3 +79,39 @@ def test_cluster_errors_name_field_value_and_allowed(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         load_config(write(tmp_path, text))
     assert message in str(e.value)
+
+
+def test_long_context_from_the_reference_design_variables(tmp_path, monkeypatch, caplog):
+    """VLLM_RETRIEVAL_* fill the fields the file leaves out; the file wins; each value's
+    source is logged."""
+    monkeypatch.setenv("VLLM_RETRIEVAL_TOPK_PERCENT", "0.3")
+    monkeypatch.setenv("VLLM_RETRIEVAL_DENSE_BOUNDARY", "40960")
+    monkeypatch.setenv("VLLM_RETRIEVAL_LOCAL_TOKENS_NUM", "4096")
+    with caplog.at_level("INFO", logger="kvcache.long_context"):
+        cfg = load_config(write(tmp_path, "long_context:\n  enabled: true\n"
+                                          "  local_tokens: 2048\n"))
+    lc = cfg.long_context
+    assert (lc.top_k_percent, lc.dense_boundary, lc.local_tokens) == (0.3, 40960, 2048)
+    assert lc.initial_tokens == 1024   # neither file nor environment: the default
+    assert "long_context.top_k_percent = 0.3 (environment (VLLM_RETRIEVAL_TOPK_PERCENT))" \
+        in caplog.text
+    assert "long_context.local_tokens = 2048 (config file)" in caplog.text
+    assert "long_context.initial_tokens = 1024 (default)" in caplog.text
+    monkeypatch.setenv("VLLM_RETRIEVAL_DENSE_BOUNDARY", "lots")
+    with pytest.raises(ConfigError, match="VLLM_RETRIEVAL_DENSE_BOUNDARY: got 'lots'"):
+        load_config(None)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("long_context:\n  retrieval_block_size: 24\n",
+     "long_context.retrieval_block_size: got 24; it must be a multiple of the pool's "
+     "block_size 16"),
+    ("long_context:\n  dense_boundary: 4096\n",
+     "long_context.dense_boundary: got 4096; a sparse sequence needs room"),
+    ("long_context:\n  offload_boundary: 1000\n",
+     "long_context.offload_boundary: got 1000, below dense_boundary=32768"),
+    ("long_context:\n  summary: max\n", "long_context.summary: got 'max'; allowed: mean, minmax"),
+])
+def test_long_context_errors_name_the_field(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(write(tmp_path, text))
