@@ -181,6 +181,8 @@ class EngineConfig:
     long_context: LongContextConfig = field(default_factory=LongContextConfig)
 
     def __post_init__(self) -> None:
+        if not self.long_context.enabled:
+            return
         try:
             self.long_context.check_block_size(self.cache.block_size)
         except ValueError as e:

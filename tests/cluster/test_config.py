@@ -103,7 +103,7 @@ def test_long_context_from_the_reference_design_variables(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("text,message", [
-    ("long_context:\n  retrieval_block_size: 24\n",
+    ("long_context:\n  enabled: true\n  retrieval_block_size: 24\n",
      "long_context.retrieval_block_size: got 24; it must be a multiple of the pool's "
      "block_size 16"),
     ("long_context:\n  dense_boundary: 4096\n",
