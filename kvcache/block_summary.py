@@ -60,14 +60,15 @@ def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Te
 def score(query: torch.Tensor, summaries: torch.Tensor, kind: str) -> torch.Tensor:
     """Scores [KVH, M] of retrieval blocks (``summaries`` [M, S, KVH, D]) for one token's
     query heads ``query`` [H, D]; higher means more attention expected."""
-    m, _, kvh, d = summaries.shape
+    _, _, kvh, d = summaries.shape
     q = query.float().view(kvh, -1, d)                              # [KVH, G, D]
     if kind == "mean":
         s = torch.einsum("hgd,mhd->hgm", q, summaries[:, 0])
     else:
-        lo = q[:, :, None, :] * summaries[:, 0].permute(1, 0, 2)[:, None]   # [KVH, G, M, D]
-        hi = q[:, :, None, :] * summaries[:, 1].permute(1, 0, 2)[:, None]
-        s = torch.maximum(lo, hi).sum(-1)
+        # max(q_d * lo_d, q_d * hi_d) is q_d * hi_d where q_d > 0, else q_d * lo_d: two
+        # matrix products instead of an elementwise [KVH, G, M, D] pass.
+        s = (torch.einsum("hgd,mhd->hgm", q.clamp(min=0), summaries[:, 1])
+             + torch.einsum("hgd,mhd->hgm", q.clamp(max=0), summaries[:, 0]))
     return s.amax(1)
 
 

@@ -267,7 +267,8 @@ class SparseStep:
                 middle = torch.as_tensor(st.host_ids[off:off + m])
             else:
                 middle = torch.as_tensor(table[first:first + m], device=dev)
-            self.rows.append(_SparseRow(i, st, lay.top_k, first, middle.view(-1, r)))
+            if lay.top_k:   # else no middle yet: initial and local blocks are the context
+                self.rows.append(_SparseRow(i, st, lay.top_k, first, middle.view(-1, r)))
             parts.append((torch.as_tensor(table[:first], device=dev),
                           lay.top_k * r,
                           torch.as_tensor(table[lay.local_start // bs:-(-length // bs)],
