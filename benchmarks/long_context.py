@@ -175,12 +175,16 @@ def decode_step(checkpoint, context: int, batch: int, config: LongContextConfig 
     bytes_per_block = runner.kv_shape.bytes_per_block
     summary_bytes = 0
     if runner.long_context is not None:
+        # Pool summaries of the blocks held, and each sequence's middle summaries.
         lc = runner.long_context
-        per_block = lc.summaries[:, 0].nbytes
-        summary_bytes = per_block * (held + sum(len(runner.seqs[f"s{i}"].tier.host_ids)
-                                                for i in range(batch) if runner.seqs[f"s{i}"].tier))
+        summary_bytes = lc.summaries[:, 0].nbytes * held + sum(
+            st.tier.summaries.nbytes for st in runner.seqs.values() if st.tier is not None)
+    stats = runner.long_context.stats if runner.long_context is not None else None
+    hit_rate = (stats.recall_hits / max(stats.recall_hits + stats.recalled_blocks, 1)
+                if stats else 0.0)
     return {"step_ms": 1e3 * statistics.median(times[1:]),
-            "device_kv_bytes": held * bytes_per_block, "summary_bytes": summary_bytes}
+            "device_kv_bytes": held * bytes_per_block, "summary_bytes": summary_bytes,
+            "recall_hit_rate": hit_rate}
 
 
 # ---- capacity ----------------------------------------------------------------------------
@@ -241,21 +245,24 @@ def main(argv: Sequence[str] | None = None,
 
             plot_long_context(rows, args.plot)
     if "decode-step" in args.parts:
+        sparse = LongContextConfig(enabled=True, dense_boundary=16384, offload_boundary=1 << 20)
         offload = LongContextConfig(enabled=True, dense_boundary=16384, offload_boundary=16384)
         rows = []
-        print("\n| batch | mode | step ms | device KV MiB | ÷ dense | summaries MiB |\n"
-              "|---|---|---|---|---|---|")
+        print("\n| batch | mode | step ms | device KV MiB | ÷ dense | summaries MiB | "
+              "recall hits |\n|---|---|---|---|---|---|---|")
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = tiny_long_checkpoint(Path(tmp), 65536 + 64)
             for batch in (1, 4):
-                dense = decode_step(ckpt, 65536, batch, None, 6)
-                sparse = decode_step(ckpt, 65536, batch, offload, 6)
-                for mode, r in (("dense", dense), ("sparse+offload", sparse)):
-                    share = r["device_kv_bytes"] / dense["device_kv_bytes"]
+                results = [(mode, decode_step(ckpt, 65536, batch, cfg, 6)) for mode, cfg in
+                           (("dense", None), ("sparse", sparse), ("sparse+offload", offload))]
+                dense_bytes = results[0][1]["device_kv_bytes"]
+                for mode, r in results:
+                    share = r["device_kv_bytes"] / dense_bytes
                     rows.append({"batch": batch, "mode": mode, **r, "of_dense": share})
                     print(f"| {batch} | {mode} | {r['step_ms']:.1f} | "
                           f"{r['device_kv_bytes'] / 2**20:.0f} | {share:.0%} | "
-                          f"{r['summary_bytes'] / 2**20:.1f} |", flush=True)
+                          f"{r['summary_bytes'] / 2**20:.1f} | {r['recall_hit_rate']:.0%} |",
+                          flush=True)
         out["decode_step"] = rows
     if "capacity" in args.parts:
         offload = LongContextConfig(enabled=True, dense_boundary=16384, offload_boundary=16384)

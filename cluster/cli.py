@@ -104,8 +104,12 @@ BENCHMARKS = {
              "serve --continuous-batching` (--help for its options)"),
     "decode-step": ("decode_step", "one decode step's split (attention, other ops, linear "
                     "layers) with the CPU kernels against the torch reference ops"),
+    "long-context": ("long_context", "sparse-retrieval attention against dense: attention "
+                     "speed, a 64K decode step's time and device KV, capacity"),
     "long-context-recall": ("long_context_recall", "the attention mass sparse retrieval's "
                             "selected blocks capture on real text, against the oracle top-k"),
+    "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
+                             "dense: passkey retrieval, teacher-forced next-token agreement"),
 }
 
 

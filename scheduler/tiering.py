@@ -90,8 +90,9 @@ class TierPlanner:
 
     # ---- a decode step -------------------------------------------------------------
     def prepare(self, seq_id: str, context_len: int) -> bool:
-        """Bring a decoding sequence to its mode at ``context_len`` tokens; False (nothing
-        changed) when a tier lacks room."""
+        """Bring a decoding sequence to its mode at ``context_len`` tokens; False when a
+        tier lacks room (the host tier: nothing changed; the device pool for recall
+        blocks: the offload is done, the recall blocks are not)."""
         mode = self.config.mode(context_len)
         t = self._seqs.get(seq_id)
         if t is None:
@@ -107,7 +108,7 @@ class TierPlanner:
             start = t.host_first + len(t.host_ids)
             offload = list(range(start, lay.local_start // bs))
             recall = lay.top_k * self._per_block - t.num_recall
-            if len(offload) > self._host_free() or recall > self.kv.pool.num_free_blocks:
+            if len(offload) > self._host_free():
                 return False
         if mode is t.mode and not offload and recall <= 0 and not t.num_received:
             return True
@@ -127,7 +128,11 @@ class TierPlanner:
             change.host_block_ids.extend(host)
             t.host_ids.extend(host)
         if recall > 0:
-            change.recall_block_ids.extend(self.kv.allocate_extra(seq_id, recall) or [])
+            # After the offload, whose freed blocks may be what makes room.
+            ids = self.kv.allocate_extra(seq_id, recall)
+            if ids is None:
+                return False   # the offload stands; the caller frees room and asks again
+            change.recall_block_ids.extend(ids)
             t.num_recall += recall
         return True
 
