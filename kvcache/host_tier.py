@@ -19,13 +19,11 @@ from kvcache.kv_tensors import KVShape
 class HostKVStore:
     def __init__(self, shape: KVShape, num_blocks: int, pin: bool = False) -> None:
         self.num_blocks = num_blocks
-        self.kv = torch.zeros((shape.num_layers, 2, num_blocks, shape.block_size,
+        # Uninitialised: a host block is always written before it is read, and untouched
+        # pages of a large budget cost no memory until the tier fills.
+        self.kv = torch.empty((shape.num_layers, 2, num_blocks, shape.block_size,
                                shape.num_kv_heads, shape.head_dim), dtype=shape.dtype,
                               pin_memory=pin)
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes
 
     def offload(self, kv_caches: list[torch.Tensor], device_ids: list[int],
                 host_ids: list[int]) -> None:
