@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 
 from cluster.cluster_engine import ClusterClient, ClusterEngine, RequestStream
 from cluster.config import (
+    ConfigError,
     EngineConfig,
     ServingConfig,
     config_from_dict,
@@ -483,18 +484,32 @@ class Router:
                 "logprobs": logprobs, "finish_reason": finish_reason(c.out)}
 
 
-def build_app(args: dict[str, Any] | None = None) -> serve.Application:
-    """The application for ``serve run cluster.serve_app:build_app config=FILE`` (or a
-    Serve config file's ``args``): ``config`` a YAML file, ``model`` overriding its
+def config_from_args(args: dict[str, Any] | None) -> EngineConfig:
+    """The validated config an application's ``args`` name: ``config`` a YAML file or the
+    config itself as a mapping (how a Serve config file carries it inline, as the Helm
+    chart's ``serveConfigV2`` does: a pod needs no config file), ``model`` overriding its
     model path. A config without worker pools runs 1 prefill + 1 decode worker."""
     args = dict(args or {})
-    config = load_config(args.pop("config", None))
+    source = args.pop("config", None)
+    if isinstance(source, dict):
+        config = config_from_dict(source)
+    elif source is None or isinstance(source, str):
+        config = load_config(source)
+    else:
+        raise ConfigError(f"build_app: config: got {source!r}; expected a YAML file path "
+                          "or the config as a mapping of sections (model, cache, ...)")
     if "model" in args:
         config = with_overrides(config, {("model", "path"): args.pop("model")})
     if args:
-        raise ValueError(f"build_app: unknown argument(s) {', '.join(sorted(args))}; "
-                         "allowed: config, model")
-    return app_for(with_default_pools(config))
+        raise ConfigError(f"build_app: unknown argument(s) {', '.join(sorted(args))}; "
+                          "allowed: config, model")
+    return with_default_pools(config)
+
+
+def build_app(args: dict[str, Any] | None = None) -> serve.Application:
+    """The application for ``serve run cluster.serve_app:build_app config=FILE`` or a
+    Serve config file's ``args`` (see ``config_from_args``)."""
+    return app_for(config_from_args(args))
 
 
 def app_for(config: EngineConfig) -> serve.Application:
