@@ -14,8 +14,9 @@ $(VENV)/.runtime: requirements.txt pyproject.toml
 	$(PIP) --no-deps --no-build-isolation -e .
 	touch $@
 
-$(VENV)/.test: $(VENV)/.runtime requirements-test.txt
+$(VENV)/.test: $(VENV)/.runtime requirements-test.txt requirements-test-nodeps.txt
 	$(PIP) -r requirements-test.txt
+	$(PIP) --no-deps -r requirements-test-nodeps.txt
 	touch $@
 
 setup: $(VENV)/.runtime

@@ -1,0 +1,48 @@
+"""The JSON schema of this project's config sections, derived from their dataclasses:
+what the chart's values.schema.json must say of ``app.config`` so that ``helm install``
+refuses an unknown or mistyped field before a pod starts. The test compares the two;
+``python tests/helm/config_schema.py`` prints this one to paste when a field is added."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from cluster.config import EngineConfig
+
+# Fields the chart sets itself from its own values (the worker groups, the Ray cluster).
+CHART_OWNED = {("cluster", "pools"), ("cluster", "address")}
+
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string",
+               dict: "object", list: "array"}
+
+
+def _field_type(tp: Any) -> str | list[str]:
+    """``int | None`` → ``["integer", "null"]``; ``dict[str, float]`` → ``"object"``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        names = [_field_type(t) for t in typing.get_args(tp) if t is not type(None)]
+        return [*names, "null"] if type(None) in typing.get_args(tp) else names
+    return _JSON_TYPES[typing.get_origin(tp) or tp]
+
+
+def engine_config_schema() -> dict[str, Any]:
+    """Every section and field of ``EngineConfig`` with its JSON type, nothing else."""
+    sections = {}
+    for section in dataclasses.fields(EngineConfig):
+        cls = typing.get_type_hints(EngineConfig)[section.name]
+        hints = typing.get_type_hints(cls)
+        sections[section.name] = {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {f.name: {"type": _field_type(hints[f.name])}
+                           for f in dataclasses.fields(cls)
+                           if (section.name, f.name) not in CHART_OWNED},
+        }
+    return {"type": "object", "additionalProperties": False, "properties": sections}
+
+
+if __name__ == "__main__":
+    print(json.dumps(engine_config_schema(), indent=2))
