@@ -19,6 +19,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- include "llm-cluster.fullname" . }}-router
 {{- end -}}
 
+{{/* The app's /health under its route prefix. */}}
+{{- define "llm-cluster.healthPath" -}}
+{{- printf "%s/health" (trimSuffix "/" .Values.app.routePrefix) -}}
+{{- end -}}
+
 {{/* The Ray resources a worker group's pods declare besides their CPUs: the NPUs, and a
      marker of the role, so that a pending prefill worker scales the prefill group only. */}}
 {{- define "llm-cluster.rayResources" -}}

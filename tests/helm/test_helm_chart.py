@@ -270,7 +270,7 @@ def test_health_probes_and_the_router_service(render):
     for group in cluster["workerGroupSpecs"]:
         (container,) = group["template"]["spec"]["containers"]
         probe = container["readinessProbe"]
-        assert probe["httpGet"] == {"path": "/health", "port": "serve"}
+        assert probe["httpGet"] == {"path": "/qwen/health", "port": "serve"}
         assert {"name": "serve", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
         secret = values["router"]["apiKeySecret"]
         assert {"name": "LLM_CLUSTER_API_KEY", "valueFrom": {"secretKeyRef": secret}} \
@@ -280,7 +280,10 @@ def test_health_probes_and_the_router_service(render):
     assert "readinessProbe" not in head and "livenessProbe" not in head
     (test_pod,) = [o for o in objects if o["kind"] == "Pod"]
     assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
-    url = f"http://{router['metadata']['name']}.{NAMESPACE}.svc:8080/health"
+    default = the_ray_service(render())["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert default["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"] == {
+        "path": "/health", "port": "serve"}
+    url = f"http://{router['metadata']['name']}.{NAMESPACE}.svc:8080/qwen/health"
     assert test_pod["spec"]["containers"][0]["args"] == [url]
 
 
