@@ -1,5 +1,5 @@
 """The Helm chart (helm/): it lints strictly and renders with the default values and
-with a larger deployment's; every rendered object is what its API server would accept
+two other sets (tests/helm/data); every rendered object is what its API server would accept
 (core objects against Kubernetes' schemas, the RayService against KubeRay's CRD
 schema, both refusing unknown fields); the serveConfigV2 it builds is accepted by Ray
 Serve's schema and by this project's own config parser; Ray's KubeRay autoscaler reads
