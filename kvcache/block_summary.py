@@ -6,7 +6,11 @@ estimate how much attention the block would get without reading its keys:
 - ``mean``: the mean key (the reference design's representation vector); a block scores
   ``q . mean``, the mean of its keys' logits;
 - ``minmax``: per-channel lower and upper bounds (Quest); a block scores
-  ``sum_d max(q_d * min_d, q_d * max_d)``, an upper bound on any of its keys' logits.
+  ``sum_d max(q_d * min_d, q_d * max_d)``, an upper bound on any of its keys' logits;
+- ``hybrid``: both, scored halfway between the bound and the mean logit. The bound
+  overrates a block whose keys spread widely and the mean underrates one with a few
+  strong keys; on the default model's real attention their midpoint captures more of the
+  oracle's mass than either, and moves the next token less (benchmarks/RESULTS.md).
 
 Summaries are kept per *pool* block, where the KV is written, and combined into
 retrieval blocks (``retrieval_block_size`` tokens, several pool blocks) when scored:
@@ -22,17 +26,20 @@ from typing import Protocol
 
 import torch
 
-from kvcache.long_context import SUMMARY_KINDS
+_WIDTHS = {"mean": 1, "minmax": 2, "hybrid": 3}
 
 
 def summary_width(kind: str) -> int:
-    """Vectors per (block, KV head): 1 for ``mean``, 2 (min, max) for ``minmax``."""
-    return SUMMARY_KINDS.index(kind) + 1
+    """Vectors per (block, KV head): mean; min, max; or min, max, mean for ``hybrid``."""
+    return _WIDTHS[kind]
 
 
 def summarize(keys: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
     """Summaries [n, S, KVH, D] (fp32) of ``keys`` [n, block_size, KVH, D], of which each
     block's first ``counts[i]`` rows are written (the rest are ignored)."""
+    if kind == "hybrid":
+        return torch.cat((summarize(keys, counts, "minmax"), summarize(keys, counts, "mean")),
+                         dim=1)
     n, bs = keys.shape[:2]
     k = keys.float()
     valid = (torch.arange(bs, device=keys.device)[None, :] < counts[:, None])[..., None, None]
@@ -49,6 +56,9 @@ def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Te
     blocks [..., M * per_block, S, KVH, D], in order (any leading dims, e.g. layers)."""
     if per_block == 1:
         return pool_summaries
+    if kind == "hybrid":
+        return torch.cat((combine(pool_summaries[..., :2, :, :], per_block, "minmax"),
+                          combine(pool_summaries[..., 2:, :, :], per_block, "mean")), dim=-3)
     *lead, n, s, kvh, d = pool_summaries.shape
     grouped = pool_summaries.reshape(*lead, n // per_block, per_block, s, kvh, d)
     if kind == "mean":
@@ -63,13 +73,24 @@ def score(query: torch.Tensor, summaries: torch.Tensor, kind: str) -> torch.Tens
     _, _, kvh, d = summaries.shape
     q = query.float().view(kvh, -1, d)                              # [KVH, G, D]
     if kind == "mean":
-        s = torch.einsum("hgd,mhd->hgm", q, summaries[:, 0])
+        s = _dot(q, summaries[:, 0])
+    elif kind == "minmax":
+        s = _bound(q, summaries[:, 0], summaries[:, 1])
     else:
-        # max(q_d * lo_d, q_d * hi_d) is q_d * hi_d where q_d > 0, else q_d * lo_d: two
-        # matrix products instead of an elementwise [KVH, G, M, D] pass.
-        s = (torch.einsum("hgd,mhd->hgm", q.clamp(min=0), summaries[:, 1])
-             + torch.einsum("hgd,mhd->hgm", q.clamp(max=0), summaries[:, 0]))
+        s = 0.5 * (_bound(q, summaries[:, 0], summaries[:, 1]) + _dot(q, summaries[:, 2]))
     return s.amax(1)
+
+
+def _dot(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Logits [KVH, G, M] of queries [KVH, G, D] against one vector per block [M, KVH, D]."""
+    return torch.einsum("hgd,mhd->hgm", q, keys)
+
+
+def _bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The largest logit [KVH, G, M] any key within the bounds [M, KVH, D] can give:
+    max(q_d * lo_d, q_d * hi_d) is q_d * hi_d where q_d > 0, else q_d * lo_d, so two
+    matrix products instead of an elementwise [KVH, G, M, D] pass."""
+    return _dot(q.clamp(min=0), hi) + _dot(q.clamp(max=0), lo)
 
 
 class BlockSelector(Protocol):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 log = logging.getLogger(__name__)
 
-SUMMARY_KINDS = ("mean", "minmax")
+SUMMARY_KINDS = ("mean", "minmax", "hybrid")
 
 # The reference design's (vllm-ascend RetrievalKV) environment variables, by field.
 ENV_VARS = {
@@ -75,7 +75,8 @@ class LongContextConfig:
     ``host_kv_bytes``: the host tier's budget per worker (None: 4 GiB).
     ``retrieval_block_size``: tokens per selectable block, a multiple of the pool's block
     size. ``reselect_every``: decode steps between re-selections. ``summary``: how a
-    block is summarised for scoring (``mean`` key, or per-channel ``minmax`` bounds).
+    block is summarised for scoring (``mean`` key, per-channel ``minmax`` bounds, or
+    ``hybrid``, both; see kvcache/block_summary.py).
     """
 
     enabled: bool = False

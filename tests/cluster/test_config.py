@@ -110,7 +110,8 @@ def test_long_context_from_the_reference_design_variables(tmp_path, monkeypatch,
      "long_context.dense_boundary: got 4096; a sparse sequence needs room"),
     ("long_context:\n  offload_boundary: 1000\n",
      "long_context.offload_boundary: got 1000, below dense_boundary=32768"),
-    ("long_context:\n  summary: max\n", "long_context.summary: got 'max'; allowed: mean, minmax"),
+    ("long_context:\n  summary: max\n",
+     "long_context.summary: got 'max'; allowed: mean, minmax, hybrid"),
 ])
 def test_long_context_errors_name_the_field(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -16,6 +16,7 @@ import torch
 from cluster import LLM, SamplingParams
 from cluster.config import config_from_dict
 from kvcache.block_summary import summarize
+from kvcache.long_context import SUMMARY_KINDS
 
 ARCHS = ["llama", "llama3-rope", "qwen2", "qwen3", "pangu"]
 # Scaled-down regions: 32 initial + 64 local tokens, 32-token retrieval blocks.
@@ -93,9 +94,10 @@ def test_small_budget_attends_fewer_blocks_and_differs(tiny_long_factory):
     assert stats.recalled_blocks > 0 and stats.recall_hits > 0
 
 
-def test_summaries_match_the_keys_after_every_step(tiny_long_factory):
+@pytest.mark.parametrize("kind", SUMMARY_KINDS)
+def test_summaries_match_the_keys_after_every_step(tiny_long_factory, kind):
     path = tiny_long_factory("qwen3").path
-    llm = make_llm(path, {**REGIONS, "top_k_percent": 0.2}, chunk=96)
+    llm = make_llm(path, {**REGIONS, "top_k_percent": 0.2, "summary": kind}, chunk=96)
     engine = llm.engine
     for i, p in enumerate(prompts()):
         engine.add_request(f"r{i}", None, p, GREEDY)

@@ -1,0 +1,74 @@
+"""Block scores against logits computed key by key: the mean summary scores the mean
+logit, the min/max bound is at least every key's logit and reached when one key takes
+each channel's extreme, hybrid is their midpoint, and pool summaries combine into exactly
+the summary of a retrieval block's keys."""
+
+import pytest
+import torch
+
+from kvcache.block_summary import ExactSelector, combine, score, summarize
+from kvcache.long_context import SUMMARY_KINDS
+
+M, BS, KVH, G, D = 6, 8, 2, 3, 16
+
+
+def _case(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(M, BS, KVH, D, generator=g), torch.randn(KVH * G, D, generator=g)
+
+
+def _logits(keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """[KVH, G, M, BS] logits of every query head against every key it reads."""
+    return torch.einsum("hgd,mthd->hgmt", query.view(KVH, G, D), keys)
+
+
+def test_scores_against_key_by_key_logits():
+    keys, query = _case()
+    counts = torch.full((M,), BS)
+    logits = _logits(keys, query)
+    mean = score(query, summarize(keys, counts, "mean"), "mean")
+    torch.testing.assert_close(mean, logits.mean(-1).amax(1))
+    bound = score(query, summarize(keys, counts, "minmax"), "minmax")
+    assert (bound >= logits.amax(-1).amax(1) - 1e-5).all()
+    # A block whose keys all equal one vector: the bound is that key's logit.
+    same = keys[:, :1].expand(-1, BS, -1, -1)
+    torch.testing.assert_close(score(query, summarize(same, counts, "minmax"), "minmax"),
+                               _logits(same, query)[..., 0].amax(1))
+    hybrid = score(query, summarize(keys, counts, "hybrid"), "hybrid")
+    per_head = 0.5 * (bound_per_head(query, keys) + logits.mean(-1))
+    torch.testing.assert_close(hybrid, per_head.amax(1))
+
+
+def bound_per_head(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The min/max bound [KVH, G, M] per query head, channel by channel."""
+    lo, hi = keys.amin(1), keys.amax(1)                           # [M, KVH, D]
+    q = query.view(KVH, G, 1, D)
+    return torch.maximum(q * lo.permute(1, 0, 2)[:, None], q * hi.permute(1, 0, 2)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("kind", SUMMARY_KINDS)
+def test_pool_summaries_combine_into_the_retrieval_blocks(kind):
+    keys, _ = _case(1)
+    half = keys.reshape(M * 2, BS // 2, KVH, D)
+    pooled = combine(summarize(half, torch.full((M * 2,), BS // 2), kind), 2, kind)
+    torch.testing.assert_close(pooled, summarize(keys, torch.full((M,), BS), kind))
+
+
+@pytest.mark.parametrize("kind", SUMMARY_KINDS)
+def test_partial_blocks_ignore_unwritten_rows(kind):
+    keys, _ = _case(2)
+    counts = torch.tensor([1, 3, 8, 5, 2, 7])
+    got = summarize(keys + torch.where(torch.arange(BS)[None, :, None, None]
+                                       < counts[:, None, None, None], 0.0, 1e6), counts, kind)
+    for i, n in enumerate(counts.tolist()):
+        torch.testing.assert_close(got[i], summarize(keys[i:i + 1, :n], torch.tensor([n]),
+                                                     kind)[0])
+
+
+def test_selector_takes_the_best_scored_blocks_in_order():
+    keys, query = _case(3)
+    summaries = summarize(keys, torch.full((M,), BS), "hybrid")
+    chosen = ExactSelector("hybrid").select(query, summaries, 2)
+    by_hand = (0.5 * (bound_per_head(query, keys) + _logits(keys, query).mean(-1))).amax(1)
+    want = by_hand.topk(2, dim=1).indices.sort(dim=1).values
+    assert torch.equal(chosen, want)
