@@ -76,7 +76,8 @@ def _scheduler(path: str, roles: list[str], kv_dtypes: dict[int, str] | None = N
         worker = Worker(WorkerSpec(path, None, "float32", "cpu", 0, "torch", cache, None, 1),
                         role)
         actors.append(_Actor(worker))
-        refs.append(WorkerRef(f"{role}-{i}", role, actors[-1], worker.info().num_blocks))
+        info = worker.info()
+        refs.append(WorkerRef(f"{role}-{i}", role, actors[-1], info.num_blocks, 0, info.place))
     info = actors[0].worker.info()
     gs = GlobalScheduler(refs, SchedulerConfig(), 16, True, 512, info.eos_token_ids, **kw)
     return gs, actors

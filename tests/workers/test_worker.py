@@ -38,9 +38,9 @@ def test_handoff_between_workers_continues_bit_exact(tiny_factory):
     prefill, decode_w = _worker(path, "prefill"), _worker(path, "decode")
     first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
                                                          GREEDY)]))
-    size, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
+    info, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
     nbytes = decode_w.import_kv(batch, [7, 3, 9])
-    assert nbytes == size > 0
+    assert nbytes == info.nbytes > 0
     for src, dst in zip(prefill.runner.kv_caches, decode_w.runner.kv_caches):
         assert torch.equal(src[:, [0, 1, 2]], dst[:, [7, 3, 9]])
     # The decode worker's next token equals the prefill worker's own continuation.
