@@ -1,40 +1,41 @@
-"""KV handoff prefill -> decode: Arrow KV batch through the Ray object store vs memcpy vs pickle.
+"""KV handoff prefill -> decode through each transport vs memcpy vs pickled tensors.
 
 For the default model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64,
-block size 16), one sequence's blocks (scattered block ids, as in a used pool) go:
+block size 16), one sequence's blocks (scattered block ids, as in a used pool) move from
+one pool to another, both in shared segments as a worker's host pool is:
 
-- arrow+ray: export_blocks -> ray.put -> ray.get (same process, zero-copy read) ->
-  import_blocks, checksum and all checks included;
+- shm (the one-copy same-node transport), request to acknowledgement: export_shared (the
+  sender hashes each block) -> import_shared (the receiver maps the sender's segment,
+  once, and copies each block into its pool, hashing it while it is in cache), in one
+  process (the actor calls that carry the description are not timed);
+- object store: export_blocks -> ray.put -> ray.get (same process, zero-copy read) ->
+  import_blocks, checksum and all checks included, in parts of at most MAX_PART_BYTES as
+  the workers hand them off;
 - pickle: gather per-layer tensors -> pickle.dumps -> pickle.loads -> index_copy_ into
-  the pool;
-- memcpy: one torch copy_ of the same number of bytes between two preallocated
-  contiguous tensors, the bandwidth ceiling of any copy on this machine;
-- the floor: each copy the Arrow path cannot avoid, timed alone on the same blocks --
-  the gather into a contiguous buffer, the object store's copy (``ray.put`` of that
-  buffer) and the scatter into the pool -- and the payload checksum, which the receiver
-  must compute before its first write into the pool (DESIGN.md; the sender's could in
-  principle ride along with its gather, so it is not counted). Their sum bounds what the
-  contract can reach with these copy routines (faster ones would still leave three copies
-  and a read); "floor of memcpy" is memcpy's time over it.
+  the pool, in the same parts;
+- memcpy: one torch copy_ of the same number of bytes between the two pools' memory
+  (contiguous), the bandwidth ceiling of any copy on this machine.
 
-The Arrow path copies the payload three times (gather into a reused buffer, into the
-object store, scatter into the pool) and reads it twice (the sender's and the receiver's
-checksum, each about half a copy), about four memcpys' worth, so about a quarter of
-memcpy bandwidth is its ceiling here; pickle passes over it about five times (gather,
-dumps, loads with a fresh buffer, scatter) with no integrity check.
-The three paths run in turns, round after round, so load from other work on the machine
+The four paths run in turns, round after round, so load from other work on the machine
 falls on all of them alike; each figure is the median of --repeats rounds (more for short
 sequences, which are noisier) after one warm-up round. Before that the object store's
 memory is written once, as a long-running worker's is: a fresh store pays a page fault
 per page on its first use (``--cold-store`` skips this).
 
-    python benchmarks/kv_handoff.py [--tokens 512 2048 8192 16384] [--repeats 3] [--threads N]
+With ``--gap``, it measures what a user sees instead: on a Ray cluster of 1 prefill + 1
+decode worker (the default model, one node, so the handoff takes shared memory), the time
+between the first and the second streamed token of a ``--gap-tokens`` prompt, against the
+decode worker's step time for that sequence; the handoff adds the difference.
+
+    python benchmarks/kv_handoff.py [--tokens 512 2048 ... 65536] [--repeats 3] [--threads N]
                                     [--cold-store] [--json]
+    python benchmarks/kv_handoff.py --gap [--gap-tokens 8176] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import pickle
 import statistics
@@ -46,18 +47,14 @@ import ray
 import torch
 
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
-from kvcache.kv_transfer import (
-    KVLayoutMeta,
-    _checksum,
-    _pool_slabs,
-    _slab_ids,
-    export_blocks,
-    import_blocks,
-)
+from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
+from kvcache.kv_transport import MAX_PART_BYTES, export_shared, import_shared, part_bounds
+from kvcache.shm_segment import PeerSegments, SharedSegment
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
-STORE_BYTES = 3 << 30
+STORE_BYTES = 2 << 30
+PATHS = ("memcpy", "shm", "object_store", "pickle")
 
 
 def timed(fn: Callable[..., object], *args: object) -> float:
@@ -73,59 +70,61 @@ def touch_object_store(chunk: int = 128 << 20) -> None:
         ray.get(ray.put(block))
 
 
-def arrow_ray(src, dst, src_ids, dst_ids, meta, phases: dict[str, list[float]]) -> None:
-    marks = [time.perf_counter()]
-    batch = export_blocks(src, src_ids, [None] * len(src_ids), [BLOCK_SIZE] * len(src_ids),
-                          meta)
-    marks.append(time.perf_counter())
-    ref = ray.put(batch)
-    del batch
-    marks.append(time.perf_counter())
-    received = ray.get(ref)
-    marks.append(time.perf_counter())
-    import_blocks(received, dst, dst_ids, meta)
-    marks.append(time.perf_counter())
-    for name, a, b in zip(("export", "put", "get", "import"), marks, marks[1:]):
-        phases[name].append(b - a)
+def object_store(src, dst, src_ids: list[int], dst_ids: list[int], meta: KVLayoutMeta,
+                 parts: list[tuple[int, int]], phases: dict[str, list[float]]) -> None:
+    spent = dict.fromkeys(phases, 0.0)
+    for a, b in parts:
+        marks = [time.perf_counter()]
+        batch = export_blocks(src, src_ids[a:b], [None] * (b - a), [BLOCK_SIZE] * (b - a), meta)
+        marks.append(time.perf_counter())
+        ref = ray.put(batch)
+        del batch
+        marks.append(time.perf_counter())
+        received = ray.get(ref)
+        marks.append(time.perf_counter())
+        import_blocks(received, dst, dst_ids[a:b], meta)
+        marks.append(time.perf_counter())
+        del received, ref
+        for name, t0, t1 in zip(phases, marks, marks[1:]):
+            spent[name] += t1 - t0
+    for name, t in spent.items():
+        phases[name].append(t)
 
 
-FLOOR_PARTS = ("gather", "put", "checksum", "scatter")
-
-
-def floor_parts(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor, rows: torch.Tensor,
-                parts: dict[str, list[float]]) -> None:
-    """Time the gather (into ``rows``, written before, as export's reused buffer is), the
-    store's copy, the scatter and one checksum, each alone."""
-    src_slabs, dst_slabs = _pool_slabs(src), _pool_slabs(dst)
-    rows = rows.view(src_slabs.dtype).view(-1, src_slabs.shape[1])
-    gather_ids, scatter_ids = _slab_ids(src_ids, src), _slab_ids(dst_ids, dst)
-    parts["gather"].append(timed(lambda: torch.index_select(src_slabs, 0, gather_ids,
-                                                            out=rows)))
-    payload = rows.view(torch.uint8).numpy().reshape(-1)
+def shared_memory(src, dst, src_ids: list[int], dst_ids: list[int], meta: KVLayoutMeta,
+                  segment: SharedSegment, peers: PeerSegments,
+                  phases: dict[str, list[float]]) -> None:
     start = time.perf_counter()
-    ref = ray.put(payload)
-    parts["put"].append(time.perf_counter() - start)
-    del ref
-    n = len(src_ids)
-    parts["checksum"].append(timed(_checksum, payload, np.full(n, BLOCK_SIZE, np.int32),
-                                   [None] * n))
-    parts["scatter"].append(timed(dst_slabs.index_copy_, 0, scatter_ids, rows))
+    description = export_shared(src, src_ids, [None] * len(src_ids),
+                                [BLOCK_SIZE] * len(src_ids), meta, segment.handle)
+    exported = time.perf_counter()
+    import_shared(description, dst, dst_ids, meta, peers)
+    phases["export"].append(exported - start)
+    phases["import"].append(time.perf_counter() - exported)
 
 
-def pickled(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
-    payload = pickle.dumps([kv.index_select(1, src_ids) for kv in src])
-    for kv, blocks in zip(dst, pickle.loads(payload), strict=True):
-        kv.index_copy_(1, dst_ids, blocks)
+def pickled(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor,
+            parts: list[tuple[int, int]]) -> None:
+    for a, b in parts:
+        payload = pickle.dumps([kv.index_select(1, src_ids[a:b]) for kv in src])
+        for kv, blocks in zip(dst, pickle.loads(payload), strict=True):
+            kv.index_copy_(1, dst_ids[a:b], blocks)
+
+
+def shared_pool(shape: KVShape, num_blocks: int) -> tuple[SharedSegment, list[torch.Tensor]]:
+    segment = SharedSegment(num_blocks * shape.bytes_per_block, name="kvpool-bench")
+    return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer)
 
 
 def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
     shape = KVShape(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPES[dtype_name])
     meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
     pool_blocks = max(token_counts) // BLOCK_SIZE + 64
-    src = allocate_kv_cache(shape, pool_blocks, torch.device("cpu"))
-    dst = allocate_kv_cache(shape, pool_blocks, torch.device("cpu"))
+    segment, src = shared_pool(shape, pool_blocks)
+    dst_segment, dst = shared_pool(shape, pool_blocks)
     for kv in src:
         kv.normal_()
+    peers = PeerSegments()
     g = torch.Generator().manual_seed(0)
     rows = []
     for tokens in token_counts:
@@ -134,37 +133,76 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
         src_ids = torch.randperm(pool_blocks, generator=g)[:n]
         dst_ids = torch.randperm(pool_blocks, generator=g)[:n]
         nbytes = n * shape.bytes_per_block
-        a = torch.empty(nbytes // shape.dtype.itemsize, dtype=shape.dtype).normal_()
-        b = torch.empty_like(a)
-        gathered = torch.zeros_like(a)
+        parts = part_bounds(n, max(1, -(-nbytes // MAX_PART_BYTES)))
+        # memcpy: the same bytes, contiguous, between the two pools' memory.
+        a = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=nbytes)
+        b = torch.frombuffer(dst_segment.buffer, dtype=torch.uint8, count=nbytes)
         phases: dict[str, list[float]] = {"export": [], "put": [], "get": [], "import": []}
+        shm_phases: dict[str, list[float]] = {"export": [], "import": []}
         ids_list, dst_list = src_ids.tolist(), dst_ids.tolist()
-        parts: dict[str, list[float]] = {k: [] for k in FLOOR_PARTS}
-        times: dict[str, list[float]] = {"memcpy": [], "arrow_ray": [], "pickle": []}
+        times: dict[str, list[float]] = {k: [] for k in PATHS}
         for _ in range(reps + 1):
             times["memcpy"].append(timed(b.copy_, a))
-            times["arrow_ray"].append(timed(arrow_ray, src, dst, ids_list, dst_list, meta,
-                                            phases))
-            times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids))
-            floor_parts(src, dst, src_ids, dst_ids, gathered, parts)
-        del a, b, gathered
-        memcpy_s, arrow_s, pickle_s = (statistics.median(times[k][1:]) for k in times)
+            times["shm"].append(timed(shared_memory, src, dst, ids_list, dst_list, meta,
+                                      segment, peers, shm_phases))
+            times["object_store"].append(timed(object_store, src, dst, ids_list, dst_list,
+                                               meta, parts, phases))
+            times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids, parts))
         assert all(torch.equal(d[:, dst_ids], s[:, src_ids]) for d, s in zip(dst, src))
         row = {"dtype": dtype_name, "tokens": tokens, "blocks": n, "bytes": nbytes,
-               "MB": nbytes / 1e6,
-               "memcpy_s": memcpy_s, "arrow_ray_s": arrow_s, "pickle_s": pickle_s}
-        row |= {f"arrow_{k}_s": statistics.median(v[1:]) for k, v in phases.items()}
-        row |= {f"floor_{k}_s": statistics.median(v[1:]) for k, v in parts.items()}
-        copies_s = sum(row[f"floor_{k}_s"] for k in ("gather", "put", "scatter"))
-        row["floor_s"] = copies_s + row["floor_checksum_s"]
-        row["copies_frac_memcpy"] = memcpy_s / copies_s
-        row["floor_frac_memcpy"] = memcpy_s / row["floor_s"]
-        for path in ("memcpy", "arrow_ray", "pickle"):
+               "MB": nbytes / 1e6, "parts": len(parts)}
+        for path in PATHS:
+            row[f"{path}_s"] = statistics.median(times[path][1:])
             row[f"{path}_GBps"] = nbytes / row[f"{path}_s"] / 1e9
-        row["arrow_ray_frac_memcpy"] = row["arrow_ray_GBps"] / row["memcpy_GBps"]
-        row["pickle_frac_memcpy"] = row["pickle_GBps"] / row["memcpy_GBps"]
+            row[f"{path}_frac_memcpy"] = row["memcpy_s"] / row[f"{path}_s"]
+        row |= {f"object_store_{k}_s": statistics.median(v[1:]) for k, v in phases.items()}
+        row |= {f"shm_{k}_s": statistics.median(v[1:]) for k, v in shm_phases.items()}
         rows.append(row)
     return rows
+
+
+async def token_times(engine, prompt: list[int], sp) -> list[float]:
+    """When each streamed token of one request arrived."""
+    times: list[float] = []
+    async for out in engine.generate_stream(prompt, sp):
+        n = len(out.outputs[0].token_ids)
+        times.extend([time.perf_counter()] * (n - len(times)))
+    return times
+
+
+def first_token_gap(prompt_tokens: int, repeats: int) -> list[dict]:
+    """Per run: first -> second token gap, the decode worker's step time after the
+    handoff, and the handoff's own time and transport from the scheduler's stats."""
+    from cluster.cluster_engine import ClusterEngine
+    from cluster.config import config_from_dict
+    from scheduler.protocol import SamplingParams
+
+    engine = ClusterEngine(config_from_dict({"cluster": {"name": "bench-kv-gap", "pools": [
+        {"role": "prefill", "resources": {"CPU": 1}},
+        {"role": "decode", "resources": {"CPU": 1}}]}}))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = []
+    try:
+        for seed in range(repeats + 1):   # the first run is a warm-up
+            rng = np.random.default_rng(seed)
+            prompt = rng.integers(100, 10_000, prompt_tokens).tolist()
+            before = engine.stats()["workers"]
+            times = asyncio.run(token_times(engine, prompt, sp))
+            after = engine.stats()["workers"]
+            sent = {k: after[0]["kv_sent"][k] - before[0]["kv_sent"][k]
+                    for k in ("count", "seconds", "bytes", "failures")}
+            steps = {k: after[1]["step_times"][k] - before[1]["step_times"][k]
+                     for k in ("steps", "execute_s")}
+            gaps = np.diff(times)
+            runs.append({"tokens": prompt_tokens, "first_gap_s": float(gaps[0]),
+                         "later_gap_s": float(np.median(gaps[1:])),
+                         "decode_step_s": steps["execute_s"] / max(steps["steps"], 1),
+                         "handoff_s": sent["seconds"], "handoff_MB": sent["bytes"] / 1e6,
+                         "handoffs": sent["count"], "failures": sent["failures"],
+                         "transports": after[0]["kv_sent"]["transports"]})
+    finally:
+        engine.shutdown()
+    return runs[1:]
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -173,34 +211,28 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def markdown(rows: list[dict]) -> str:
-    def ms(r: dict, prefix: str, keys: tuple[str, ...]) -> list[str]:
-        return [f"{1e3 * r[f'{prefix}_{k}_s']:.1f}" for k in keys]
+    def path(r: dict, name: str) -> list[str]:
+        return [f"{1e3 * r[f'{name}_s']:.1f}", f"{r[f'{name}_GBps']:.2f}",
+                f"{r[f'{name}_frac_memcpy']:.0%}"]
 
-    handoff = table(
-        ["dtype", "tokens", "MB", "memcpy GB/s", "arrow+ray s", "GB/s", "of memcpy",
-         "export / put / get / import ms", "pickle s", "GB/s", "of memcpy"],
-        [[r["dtype"], str(r["tokens"]), f"{r['MB']:.1f}", f"{r['memcpy_GBps']:.2f}",
-          f"{r['arrow_ray_s']:.3f}", f"{r['arrow_ray_GBps']:.2f}",
-          f"{r['arrow_ray_frac_memcpy']:.0%}",
-          " / ".join(ms(r, "arrow", ("export", "put", "get", "import"))),
-          f"{r['pickle_s']:.3f}", f"{r['pickle_GBps']:.2f}", f"{r['pickle_frac_memcpy']:.0%}"]
-         for r in rows])
-    floor = table(
-        ["dtype", "tokens", "memcpy", "gather", "put", "scatter", "checksum",
-         "copies alone, of memcpy", "floor (copies + 1 checksum), of memcpy",
-         "arrow+ray, of memcpy"],
-        [[r["dtype"], str(r["tokens"]), f"{1e3 * r['memcpy_s']:.1f}",
-          *ms(r, "floor", ("gather", "put", "scatter", "checksum")),
-          f"{r['copies_frac_memcpy']:.0%}", f"{r['floor_frac_memcpy']:.0%}",
-          f"{r['arrow_ray_frac_memcpy']:.0%}"]
-         for r in rows])
-    return "\n".join([*handoff, "", "The floor: each unavoidable part alone (ms), and what "
-                       "they allow:", "", *floor])
+    return "\n".join(table(
+        ["dtype", "tokens", "MB", "memcpy ms", "GB/s", "shm ms", "GB/s", "of memcpy",
+         "export / import ms",
+         "object store ms", "GB/s", "of memcpy", "parts", "export / put / get / import ms",
+         "pickle ms", "GB/s", "of memcpy"],
+        [[r["dtype"], str(r["tokens"]), f"{r['MB']:.1f}", *path(r, "memcpy")[:2],
+          *path(r, "shm"), f"{1e3 * r['shm_export_s']:.1f} / {1e3 * r['shm_import_s']:.1f}",
+          *path(r, "object_store"), str(r["parts"]),
+          " / ".join(f"{1e3 * r[f'object_store_{k}_s']:.1f}"
+                     for k in ("export", "put", "get", "import")),
+          *path(r, "pickle")]
+         for r in rows]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    default=[512, 2048, 8192, 16384, 32768, 65536])
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -208,7 +240,23 @@ def main() -> None:
     ap.add_argument("--cold-store", action="store_true",
                     help="do not write the object store's memory once before measuring")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    ap.add_argument("--gap", action="store_true",
+                    help="measure the first -> second token gap on 1 prefill + 1 decode")
+    ap.add_argument("--gap-tokens", type=int, default=8176,
+                    help="its prompt (the default model's window is 8192 tokens)")
     args = ap.parse_args()
+    if args.gap:
+        runs = first_token_gap(args.gap_tokens, args.repeats)
+        print(json.dumps(runs, indent=2) if args.json else "\n".join(table(
+            ["prompt tokens", "1st -> 2nd token ms", "later gaps ms", "decode step ms",
+             "handoff ms", "MB", "transport", "added by the handoff, in decode steps"],
+            [[str(r["tokens"]), f"{1e3 * r['first_gap_s']:.1f}",
+              f"{1e3 * r['later_gap_s']:.1f}", f"{1e3 * r['decode_step_s']:.1f}",
+              f"{1e3 * r['handoff_s']:.1f}", f"{r['handoff_MB']:.1f}",
+              ", ".join(r["transports"]),
+              f"{(r['first_gap_s'] - r['later_gap_s']) / r['later_gap_s']:.2f}"]
+             for r in runs])))
+        return
     torch.set_num_threads(args.threads)
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              object_store_memory=STORE_BYTES)

@@ -282,7 +282,7 @@ class ClusterEngine(ClusterClient):
             min(i.num_blocks for i in infos) * bs,
             min(lc.longest_context(i.host_blocks, bs) for i in infos) if lc.enabled else None)
         self._eos_token_ids = infos[0].eos_token_ids
-        return [WorkerRef(wid, roles[wid], actor, info.num_blocks, info.host_blocks)
+        return [WorkerRef(wid, roles[wid], actor, info.num_blocks, info.host_blocks, info.place)
                 for (wid, actor), info in zip(self.workers.items(), infos)]
 
     def _start_scheduler(self, refs: list[WorkerRef]) -> Any:

@@ -8,6 +8,7 @@ views of one allocation, so a KV handoff moves a block of every layer in one tor
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,9 +40,18 @@ class KVShape:
         return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
 
-def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    pool = torch.zeros((shape.num_layers, *shape.layer_shape(num_blocks)), dtype=shape.dtype,
-                       device=device)
+def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device,
+                      buffer: memoryview | None = None) -> list[torch.Tensor]:
+    """The pool's layers; over the start of ``buffer`` (zeroed host memory, such as a
+    shared segment) when given, else a fresh zeroed allocation on ``device``."""
+    dims = (shape.num_layers, *shape.layer_shape(num_blocks))
+    if buffer is None:
+        pool = torch.zeros(dims, dtype=shape.dtype, device=device)
+    else:
+        if device.type != "cpu":
+            raise ValueError(f"kv pool buffer: got one for device {device}; a buffer holds "
+                             "host memory, so only a cpu pool can live in it")
+        pool = torch.frombuffer(buffer, dtype=shape.dtype, count=math.prod(dims)).view(dims)
     return list(pool.unbind(0))
 
 

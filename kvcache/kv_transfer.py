@@ -93,6 +93,15 @@ class ImportedBlocks:
     token_counts: list[int]
     summaries: torch.Tensor | None = None   # [rows, L, S, KVH, D] when the batch has them
 
+    @staticmethod
+    def join(parts: Sequence[ImportedBlocks]) -> ImportedBlocks:
+        """The parts of one handoff (consecutive row ranges) as one."""
+        given = [p.summaries for p in parts]
+        return ImportedBlocks([i for p in parts for i in p.block_ids],
+                              [h for p in parts for h in p.block_hashes],
+                              [c for p in parts for c in p.token_counts],
+                              torch.cat(given) if all(g is not None for g in given) else None)
+
 
 @dataclass
 class HostRows:
@@ -173,13 +182,7 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     """
     _check_pool(kv_caches, expected_meta)
     received = batch.schema.metadata or {}
-    for key, want in expected_meta.metadata().items():
-        got = received.get(key)
-        if got != want:
-            raise KVTransferError(
-                f"KV batch {key.decode()}: received "
-                f"{'nothing' if got is None else repr(got.decode(errors='replace'))}, "
-                f"expected {want.decode()!r}")
+    check_metadata(received, expected_meta)
     num_host = len(host.block_ids) if host else 0
     if batch.num_rows != len(dst_block_ids) + num_host:
         raise KVTransferError(f"KV batch rows: received {batch.num_rows}, expected "
@@ -224,6 +227,17 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         summaries = _read_only_tensor(summary).view(
             batch.num_rows, *batch.schema.field("summary").type.shape)
     return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
+
+
+def check_metadata(received: dict[bytes, bytes], expected_meta: KVLayoutMeta) -> None:
+    """Refuse a batch whose schema metadata names another layout than this pool's."""
+    for key, want in expected_meta.metadata().items():
+        got = received.get(key)
+        if got != want:
+            raise KVTransferError(
+                f"KV batch {key.decode()}: received "
+                f"{'nothing' if got is None else repr(got.decode(errors='replace'))}, "
+                f"expected {want.decode()!r}")
 
 
 def _scatter(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray) -> None:

@@ -11,7 +11,8 @@ so does a prompt that would wait longer behind a prefill backlog of more than
 A sequence whose prefill sampled its first token on a prefill worker moves to the
 decode worker with the most free blocks: the decode side reserves blocks (reusing
 its own prefix cache), the prefill side exports only the rest as an Arrow KV batch
-through the Ray object store, the decode side imports it, and only then does the
+through the transport the two workers share (``kvcache.kv_transport``: shared memory on
+one node, else the Ray object store), the decode side imports it, and only then does the
 prefill side free the blocks (they stay in its prefix cache). A lost worker's
 sequences, and any failed, refused or timed-out transfer, are recomputed from the
 prompt plus the tokens already produced, so callers never see repeated text.
@@ -34,6 +35,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from kvcache.block_hash import extend_block_hashes
 from kvcache.kv_cache_manager import KVCacheManager
+from kvcache.kv_transport import HandoffInfo, WorkerPlace, plan_handoff
 from kvcache.long_context import LongContextConfig
 from scheduler.batch_scheduler import BatchScheduler
 from scheduler.config import SchedulerConfig
@@ -64,6 +66,7 @@ class WorkerRef:
     actor: Any
     num_blocks: int
     host_blocks: int = 0   # its host tier (long contexts)
+    place: WorkerPlace | None = None   # where its pool is: picks the KV transport
 
 
 @dataclass
@@ -76,6 +79,7 @@ class TransferStats:
     seconds: float = 0.0
     export_seconds: float = 0.0
     failures: int = 0
+    transports: dict[str, int] = field(default_factory=dict)   # handoffs per transport
 
 
 @dataclass
@@ -432,11 +436,13 @@ class GlobalScheduler:
         src.batch.detach(seq.seq_id)
         self.requests[seq.request_id].worker = None
         count = len(fresh) + len(host.block_ids)
-        export = self._export(src, seq, len(cached), count) if count else None
+        export = self._export(src, dst, seq, len(cached), count) if count else None
         self._spawn(self._hand_off(src, dst, seq, fresh, host, export))
 
-    def _export(self, src: _Worker, seq: Sequence, first: int, count: int) -> Any:
-        """Submit the export of ``count`` blocks from block ``first`` on: (size, batch) refs."""
+    def _export(self, src: _Worker, dst: _Worker, seq: Sequence, first: int,
+                count: int) -> Any:
+        """Submit the export of ``count`` blocks from block ``first`` on, through the
+        transport the two workers share: refs to its HandoffInfo and its batches."""
         blocks = src.kv.block_ids(seq.seq_id)[first:first + count]
         hashes = src.kv.block_hashes(seq.seq_id)
         n = seq.num_computed_tokens
@@ -444,8 +450,9 @@ class GlobalScheduler:
                   for i in range(first, first + count)]
         block_hashes = [hashes[i] if c == self.block_size and i < len(hashes) else None
                         for i, c in zip(range(first, first + count), counts)]
-        return src.ref.actor.export_kv.options(num_returns=2).remote(blocks, block_hashes,
-                                                                     counts)
+        plan = plan_handoff(src.ref.place, dst.ref.place, count)
+        return src.ref.actor.export_kv.options(num_returns=1 + plan.parts).remote(
+            blocks, block_hashes, counts, plan)
 
     async def _hand_off(self, src: _Worker, dst: _Worker, seq: Sequence, fresh: list[int],
                         host: _HostRows, export: Any) -> None:
@@ -453,16 +460,18 @@ class GlobalScheduler:
         ok = False
         try:
             if export is not None:
-                size_ref, batch_ref = export
-                nbytes, exported = await asyncio.wait_for(
-                    self._import(dst, fresh, host, size_ref, batch_ref),
+                info_ref, *batch_refs = export
+                info, exported = await asyncio.wait_for(
+                    self._import(dst, fresh, host, info_ref, batch_refs),
                     self.transfer_timeout_s)
                 elapsed = time.perf_counter() - start
                 for stats in (src.sent, dst.received):
                     stats.count += 1
-                    stats.bytes += nbytes
+                    stats.bytes += info.nbytes
                     stats.seconds += elapsed
                     stats.export_seconds += exported - start
+                    kind = info.transport.value
+                    stats.transports[kind] = stats.transports.get(kind, 0) + 1
             ok = True
         except asyncio.TimeoutError:
             log.warning("KV transfer of %s from %s to %s took over %.1f s: abandoned, "
@@ -493,14 +502,15 @@ class GlobalScheduler:
         dst.wake.set()
 
     @staticmethod
-    async def _import(dst: _Worker, fresh: list[int], host: _HostRows, size_ref: Any,
-                      batch_ref: Any) -> tuple[int, float]:
-        """Once the export is done, import its batch (still in the object store) into
-        ``fresh`` and the host rows; returns (bytes, when the export was done)."""
-        await size_ref
+    async def _import(dst: _Worker, fresh: list[int], host: _HostRows, info_ref: Any,
+                      batch_refs: list[Any]) -> tuple[HandoffInfo, float]:
+        """Once the export is done, import its batches (still in the object store) into
+        ``fresh`` and the host rows; returns (the export's info, when it was done)."""
+        info = await info_ref
         exported = time.perf_counter()
-        return await dst.ref.actor.import_kv.remote(batch_ref, fresh, host.first_row,
-                                                    host.block_ids), exported
+        await dst.ref.actor.import_kv.remote(batch_refs[0], fresh, host.first_row,
+                                             host.block_ids, *batch_refs[1:])
+        return info, exported
 
     async def _check_alive(self, w: _Worker) -> None:
         """Ping a worker; only Ray's word that the actor died makes it lost (a slow

@@ -19,6 +19,7 @@ import torch
 from kvcache.config import CacheConfig
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
 from kvcache.long_context import LongContextConfig
+from kvcache.shm_segment import SharedSegment
 from scheduler.protocol import (
     ForkedSequence,
     NewSequence,
@@ -63,7 +64,8 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache: CacheConfig, device: torch.device,
                  max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
                  num_blocks: int | None = None, ops: str = "auto",
-                 long_context: LongContextConfig | None = None) -> None:
+                 long_context: LongContextConfig | None = None,
+                 shared_pool: bool = False) -> None:
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
@@ -76,7 +78,11 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device)
+        # A host pool asked to be shared lives in a segment peers on this node can map.
+        self.kv_segment = (SharedSegment(num_blocks * self.kv_shape.bytes_per_block)
+                           if shared_pool and device.type == "cpu" else None)
+        self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
+                                           self.kv_segment.buffer if self.kv_segment else None)
         self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
                              if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)

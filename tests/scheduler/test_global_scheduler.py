@@ -12,6 +12,7 @@ import inspect
 from typing import Any
 
 import pytest
+import torch
 from ray.exceptions import RayActorError
 
 from kvcache.config import CacheConfig
@@ -69,14 +70,16 @@ class _Actor:
 
 
 def _scheduler(path: str, roles: list[str], kv_dtypes: dict[int, str] | None = None,
+               node_ids: dict[int, str] | None = None,
                **kw: Any) -> tuple[GlobalScheduler, list[_Actor]]:
     actors, refs = [], []
     for i, role in enumerate(roles):
         cache = CacheConfig(kv_cache_bytes=1 << 20, kv_dtype=(kv_dtypes or {}).get(i, "auto"))
         worker = Worker(WorkerSpec(path, None, "float32", "cpu", 0, "torch", cache, None, 1),
-                        role)
+                        role, (node_ids or {}).get(i, "node-a"))
         actors.append(_Actor(worker))
-        refs.append(WorkerRef(f"{role}-{i}", role, actors[-1], worker.info().num_blocks))
+        info = worker.info()
+        refs.append(WorkerRef(f"{role}-{i}", role, actors[-1], info.num_blocks, 0, info.place))
     info = actors[0].worker.info()
     gs = GlobalScheduler(refs, SchedulerConfig(), 16, True, 512, info.eos_token_ids, **kw)
     return gs, actors
@@ -151,6 +154,74 @@ def test_refused_batch_is_recomputed_on_the_decode_side(tiny_factory):
         # tokens sampled on the prefill side before the handoff was refused.
         assert {r: (len(t), t[0]) for r, t in refused.items()} == \
             {r: (len(t), t[0]) for r, t in good.items()}
+
+    asyncio.run(main())
+
+
+def test_handoffs_share_memory_on_one_node_and_take_the_object_store_across_nodes(
+        tiny_factory):
+    """Prefill and decode on one node hand off through shared memory; a decode worker on
+    another node id gets the object store; either way every sequence continues with the
+    tokens one mixed worker produces alone."""
+    path = tiny_factory("llama").path
+    prompts = {f"r{i}": _prompt(i, 20 + 9 * i) for i in range(4)}
+
+    async def run(roles: list[str], node_ids: dict[int, str]) -> tuple[dict, dict]:
+        gs, _ = _scheduler(path, roles, node_ids=node_ids)
+        await gs.start()
+        for rid, p in prompts.items():
+            await gs.submit(rid, p, GREEDY)
+        out = await _finish(gs, list(prompts))
+        stats = await gs.stats()
+        await gs.shutdown()
+        return out, stats
+
+    async def main() -> None:
+        alone, _ = await run(["mixed"], {})
+        for node_ids, transport in (({}, "shm"), ({1: "node-b"}, "object_store")):
+            out, stats = await run(["prefill", "decode"], node_ids)
+            sent, received = stats["workers"][0]["kv_sent"], stats["workers"][1]["kv_received"]
+            assert sent["transports"] == received["transports"] == {transport: len(prompts)}
+            assert sent["failures"] == 0 and out == alone
+
+    asyncio.run(main())
+
+
+def test_a_block_corrupted_in_the_senders_pool_after_export_is_recomputed(tiny_factory):
+    """A byte flipped in the prefill worker's shared pool between its export and the
+    decode worker's copy fails that block's checksum: each handoff is refused and its
+    sequence recomputed on the decode side, ending with the tokens of a clean run."""
+    path = tiny_factory("llama").path
+    prompts = {f"r{i}": _prompt(i, 20 + 9 * i) for i in range(3)}
+
+    async def run(corrupt: bool) -> tuple[dict, dict]:
+        gs, actors = _scheduler(path, ["prefill", "decode"])
+        sender = actors[0].worker
+        export = sender.export_kv
+
+        def export_then_corrupt(block_ids, *args):
+            out = export(block_ids, *args)
+            if corrupt:
+                sender.runner.kv_caches[-1][1, block_ids[-1]].view(torch.uint8).view(-1)[7] ^= 1
+            return out
+
+        sender.export_kv = export_then_corrupt
+        await gs.start()
+        for rid, p in prompts.items():
+            await gs.submit(rid, p, GREEDY)
+        out = await _finish(gs, list(prompts))
+        stats = await gs.stats()
+        await gs.shutdown()
+        return out, stats
+
+    async def main() -> None:
+        clean, clean_stats = await run(False)
+        assert clean_stats["workers"][0]["kv_sent"]["transports"] == {"shm": len(prompts)}
+        out, stats = await run(True)
+        assert stats["workers"][0]["kv_sent"]["failures"] == len(prompts)
+        assert stats["num_recovered"] == len(prompts)
+        assert all(w["num_used_blocks"] == 0 for w in stats["workers"])
+        assert out == clean
 
     asyncio.run(main())
 

@@ -8,6 +8,7 @@ import torch
 
 from kvcache.config import CacheConfig
 from kvcache.kv_transfer import KVTransferError
+from kvcache.kv_transport import HandoffPlan, Transport
 from scheduler.protocol import (
     ContinuedSequence,
     NewSequence,
@@ -38,9 +39,9 @@ def test_handoff_between_workers_continues_bit_exact(tiny_factory):
     prefill, decode_w = _worker(path, "prefill"), _worker(path, "decode")
     first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
                                                          GREEDY)]))
-    size, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
+    info, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
     nbytes = decode_w.import_kv(batch, [7, 3, 9])
-    assert nbytes == size > 0
+    assert nbytes == info.nbytes > 0
     for src, dst in zip(prefill.runner.kv_caches, decode_w.runner.kv_caches):
         assert torch.equal(src[:, [0, 1, 2]], dst[:, [7, 3, 9]])
     # The decode worker's next token equals the prefill worker's own continuation.
@@ -48,6 +49,21 @@ def test_handoff_between_workers_continues_bit_exact(tiny_factory):
     there = _step(decode_w, StepPlan(0, new=[NewSequence("s", PROMPT + first, 40, 40,
                                                           [7, 3, 9], 1, GREEDY)]))
     assert here == there
+
+
+@pytest.mark.parametrize("plan", [HandoffPlan(Transport.SHARED_MEMORY, 1),
+                                  HandoffPlan(Transport.OBJECT_STORE, 1),
+                                  HandoffPlan(Transport.OBJECT_STORE, 2)],
+                         ids=["shm", "object-store", "object-store-in-2-parts"])
+def test_every_transport_moves_the_blocks_bit_exact(tiny_factory, plan):
+    path = tiny_factory("llama").path
+    prefill, decode_w = _worker(path, "prefill"), _worker(path, "decode")
+    _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40, GREEDY)]))
+    info, *batches = prefill.export_kv([2, 0, 1], [None] * 3, [16, 16, 8], plan)
+    assert info.transport is plan.transport and len(batches) == plan.parts
+    assert decode_w.import_kv(batches[0], [7, 3, 9], 0, None, *batches[1:]) == info.nbytes
+    for src, dst in zip(prefill.runner.kv_caches, decode_w.runner.kv_caches):
+        assert torch.equal(src[:, [2, 0, 1]], dst[:, [7, 3, 9]])
 
 
 @pytest.mark.parametrize("other", ["kv_dtype", "model"])

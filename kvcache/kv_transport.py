@@ -1,0 +1,230 @@
+"""KV handoff transports: the KV batch describes what moves, a transport carries the bytes.
+
+The scheduler plans a handoff from where the two workers are (``plan_handoff``) and
+never touches bytes; the sender exports, the receiver imports and acknowledges by
+returning, and only then are the sender's blocks released (they are pinned until then).
+
+- ``SHARED_MEMORY`` (same node, both pools in shared segments): the sender sends only a
+  description, a KV batch without the ``kv`` column whose rows name the block in the
+  sender's pool (``src_block``) and its checksum, and whose metadata names the sender's
+  segment. The receiver maps that segment once and copies each block straight into its
+  own pool, hashing it while it is in cache: one copy, no staging, no object store.
+- ``OBJECT_STORE`` (across nodes, or pools outside shared memory): the KV batch with its
+  payload, returned by the sender's method so that the caller owns it, in parts of at
+  most ``MAX_PART_BYTES`` each so no one object grows past a few hundred MB.
+
+A refused, corrupted or late transfer raises ``KVTransferError`` (or times out) and the
+scheduler recomputes the sequence; on a checksum mismatch the receiver's reserved blocks
+may hold part of the copy, which is harmless as they are dropped with the reservation.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from kvcache.block_checksum import block_checksums, copy_verified
+from kvcache.kv_transfer import (
+    HostRows,
+    ImportedBlocks,
+    KVLayoutMeta,
+    KVTransferError,
+    _check_pool,
+    _check_token_counts,
+    _pool_slabs,
+    _read_only_tensor,
+    _tensor_column,
+    _values_view,
+    check_metadata,
+)
+from kvcache.shm_segment import PeerSegments, SegmentError, SegmentHandle
+
+MAX_PART_BYTES = 256 << 20
+_SEGMENT_FIELDS = ("pid", "fd", "inode", "nbytes")
+
+
+class Transport(enum.Enum):
+    SHARED_MEMORY = "shm"
+    OBJECT_STORE = "object_store"
+
+
+@dataclass(frozen=True)
+class WorkerPlace:
+    """Where a worker's pool is, as a transport sees it: plain values that cross processes."""
+
+    node_id: str
+    block_bytes: int
+    segment: SegmentHandle | None = None   # its pool's shared segment (host-memory pools)
+
+
+@dataclass(frozen=True)
+class HandoffPlan:
+    transport: Transport
+    parts: int   # KV batches the sender returns (object store: each <= MAX_PART_BYTES)
+
+
+@dataclass(frozen=True)
+class HandoffInfo:
+    """What the sender reports once its export is ready: the scheduler's stats."""
+
+    transport: Transport
+    nbytes: int   # KV payload bytes the handoff moves
+
+
+def plan_handoff(src: WorkerPlace | None, dst: WorkerPlace | None, num_blocks: int) -> HandoffPlan:
+    """Shared memory when both pools are in shared segments on one node, else the object
+    store; a worker whose place is unknown gets the object store in one part."""
+    if src is None or dst is None:
+        return HandoffPlan(Transport.OBJECT_STORE, 1)
+    if src.node_id == dst.node_id and src.segment is not None and dst.segment is not None:
+        return HandoffPlan(Transport.SHARED_MEMORY, 1)
+    return HandoffPlan(Transport.OBJECT_STORE,
+                       max(1, math.ceil(num_blocks * src.block_bytes / MAX_PART_BYTES)))
+
+
+def part_bounds(num_rows: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive row ranges, as even as can be, that cover ``num_rows`` rows."""
+    cuts = [num_rows * p // parts for p in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def is_shared(batch: pa.RecordBatch) -> bool:
+    return (batch.schema.metadata or {}).get(b"transport") == Transport.SHARED_MEMORY.value.encode()
+
+
+def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                  block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
+                  meta: KVLayoutMeta, segment: SegmentHandle,
+                  summaries: torch.Tensor | None = None) -> pa.RecordBatch:
+    """The description of blocks ``block_ids`` of a pool that lies at the start of
+    ``segment``: no payload, a checksum per block."""
+    _check_pool(kv_caches, meta)
+    n = len(block_ids)
+    if len(block_hashes) != n or len(token_counts) != n:
+        raise ValueError(f"export_shared: {n} block ids, {len(block_hashes)} hashes and "
+                         f"{len(token_counts)} token counts; expected one of each per block")
+    counts = np.asarray(token_counts, dtype=np.int32)
+    _check_token_counts(counts, meta.block_size)
+    src = np.asarray(block_ids, dtype=np.int32)
+    checksums = block_checksums(_slab_bytes(kv_caches), src)
+    hashes = list(block_hashes)
+    columns = [("block_hash", pa.binary()), ("num_tokens", pa.int32()),
+               ("src_block", pa.int32()), ("checksum", pa.uint64())]
+    arrays = [pa.array(hashes, type=pa.binary()), pa.array(counts), pa.array(src),
+              pa.array(checksums)]
+    summary = None
+    if summaries is not None:
+        summary = np.ascontiguousarray(summaries.float().cpu().numpy()).reshape(n, -1)
+        tensor_type = pa.fixed_shape_tensor(pa.float32(), summaries.shape[1:])
+        columns.append(("summary", tensor_type))
+        arrays.append(_tensor_column(tensor_type, pa.array(summary.reshape(-1)),
+                                     summary.shape[1]))
+    fields = {"transport": Transport.SHARED_MEMORY.value, "num_blocks": kv_caches[0].shape[1],
+              **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS},
+              "digest": _digest(counts, hashes, src, checksums, summary)}
+    metadata = {**meta.metadata(), **{k.encode(): str(v).encode() for k, v in fields.items()}}
+    return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(columns, metadata=metadata))
+
+
+def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
+                  dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta,
+                  peers: PeerSegments, host: HostRows | None = None) -> ImportedBlocks:
+    """Copy the described blocks out of the sender's segment into ``dst_block_ids`` (and
+    the ``host`` rows into host-tier blocks), verifying each block as it lands.
+
+    Everything but the payload is checked first; the payload is checked block by block.
+    """
+    _check_pool(kv_caches, expected_meta)
+    received = batch.schema.metadata or {}
+    check_metadata(received, expected_meta)
+    num_host = len(host.block_ids) if host else 0
+    if batch.num_rows != len(dst_block_ids) + num_host:
+        raise KVTransferError(f"KV description rows: received {batch.num_rows}, expected "
+                              f"{len(dst_block_ids) + num_host} (one per destination block)")
+    try:
+        counts = batch.column("num_tokens").to_numpy()
+        hashes = batch.column("block_hash").to_pylist()
+        src = batch.column("src_block").to_numpy()
+        checksums = batch.column("checksum").to_numpy()
+        segment = SegmentHandle(*(int(received[f"segment_{k}".encode()])
+                                  for k in _SEGMENT_FIELDS))
+        src_blocks = int(received[b"num_blocks"])
+    except (KeyError, ValueError, pa.ArrowInvalid) as e:
+        raise KVTransferError(f"KV description: malformed ({e!r}); expected the columns and "
+                              "metadata export_shared writes") from e
+    summary = (_values_view(batch.column("summary").storage.flatten()).reshape(batch.num_rows, -1)
+               if "summary" in batch.schema.names else None)
+    digest = _digest(counts, hashes, src, checksums, summary)
+    if received.get(b"digest") != digest.encode():
+        raise KVTransferError(f"KV description digest: received {received.get(b'digest')!r}, "
+                              f"computed {digest!r}: corrupted in transfer")
+    _check_token_counts(counts, expected_meta.block_size, error=KVTransferError)
+    if src.size and (src.min() < 0 or src.max() >= src_blocks):
+        raise KVTransferError(f"KV description src_block: got {src.min()}..{src.max()}; "
+                              f"expected ids in [0, {src_blocks})")
+    ids = np.asarray(dst_block_ids, dtype=np.int64)
+    num_blocks = kv_caches[0].shape[1]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.unique(ids).size != ids.size):
+        raise ValueError(f"dst_block_ids: got {list(dst_block_ids)}; expected distinct ids "
+                         f"in [0, {num_blocks})")
+
+    dst = _slab_bytes(kv_caches)
+    slab_bytes = dst.shape[2]
+    need = dst.shape[0] * src_blocks * slab_bytes
+    if need > segment.nbytes:
+        raise KVTransferError(f"KV segment: {segment.nbytes} bytes, expected >= {need} for "
+                              f"a pool of {src_blocks} blocks")
+    try:
+        mapped = peers.map(segment)
+    except SegmentError as e:
+        raise KVTransferError(str(e)) from e
+    source = np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(dst.shape[0],
+                                                                       src_blocks, slab_bytes)
+    h0 = host.first_row if host else batch.num_rows
+    pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows]
+    bad = copy_verified(source, src[pool_rows], dst, ids, checksums[pool_rows])
+    if bad is None and host:
+        host_bytes = host.kv.view(torch.uint8).numpy().reshape(dst.shape[0], -1, slab_bytes)
+        rows = np.arange(h0, h0 + num_host)
+        bad = copy_verified(source, src[rows], host_bytes, host.block_ids, checksums[rows])
+        bad = None if bad is None else int(rows[bad])
+    elif bad is not None:
+        bad = int(pool_rows[bad])
+    if bad is not None:
+        raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
+                              f"match checksum {checksums[bad]:#018x}: corrupted or "
+                              "overwritten in the sender's pool")
+    summaries = None
+    if summary is not None:
+        summaries = _read_only_tensor(summary).view(
+            batch.num_rows, *batch.schema.field("summary").type.shape)
+    return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
+
+
+def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
+    """The pool as ``(layers * 2, num_blocks, slab_bytes)`` bytes (``block_checksum``'s)."""
+    slabs = _pool_slabs(kv_caches)
+    if slabs is None or kv_caches[0].device.type != "cpu":
+        raise ValueError("kv_caches: expected a host pool whose layers are slices of one "
+                         "allocation (allocate_kv_cache's) for the shared-memory transport")
+    return slabs.view(torch.uint8).numpy().reshape(2 * len(kv_caches), kv_caches[0].shape[1], -1)
+
+
+def _digest(counts: np.ndarray, hashes: Sequence[bytes | None], src: np.ndarray,
+            checksums: np.ndarray, summaries: np.ndarray | None) -> str:
+    """BLAKE2b over the description's small columns (the checksums cover the payload)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for column in (counts.astype("<i4"), src.astype("<i4"), checksums.astype("<u8")):
+        digest.update(column.tobytes())
+    for h in hashes:
+        digest.update(b"\xff\xff\xff\xff" if h is None else len(h).to_bytes(4, "little") + h)
+    if summaries is not None:
+        digest.update(summaries.astype("<f4").tobytes())
+    return f"blake2b:{digest.hexdigest()}"

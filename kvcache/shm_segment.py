@@ -1,0 +1,141 @@
+"""A worker's KV pool memory as an anonymous shared-memory file that peers on its node map.
+
+The segment is a ``memfd`` (no name in ``/dev/shm`` or anywhere else): the kernel frees it
+when the last descriptor and mapping go, so a worker killed by SIGKILL leaves nothing
+behind, and no cleanup code has to run. A peer on the same node opens it through the
+owner's ``/proc/<pid>/fd/<fd>`` and maps it read-only; the inode in the handle tells the
+file apart from whatever a reused pid or fd number points at later. A peer's mapping keeps
+the pages alive after the owner dies, so a copy in progress finishes on intact memory;
+``PeerSegments`` drops mappings of owners that are gone at its next handoff.
+
+Pages are faulted in at creation (the first handoff into a fresh pool would otherwise pay
+a fault per page) and backed by huge pages where the system has them: hugetlbfs pages
+if any are reserved, else transparent huge pages if shared memory may use them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
+_HUGE_PAGE = 2 << 20
+
+
+class SegmentError(OSError):
+    """A peer's segment that cannot be mapped (its owner is gone, or another file)."""
+
+
+@dataclass(frozen=True)
+class SegmentHandle:
+    """Where a peer on the same node finds a segment: plain values, so it crosses processes."""
+
+    pid: int
+    fd: int
+    inode: int
+    nbytes: int
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{self.pid}/fd/{self.fd}"
+
+
+class SharedSegment:
+    """``nbytes`` of zeroed, pre-faulted shared memory owned by this process."""
+
+    def __init__(self, nbytes: int, name: str = "kvpool") -> None:
+        if nbytes <= 0:
+            raise ValueError(f"shared segment size: got {nbytes} bytes; expected > 0")
+        self.huge_pages = False
+        if hasattr(os, "MFD_HUGETLB") and nbytes % _HUGE_PAGE == 0:
+            try:   # hugetlbfs reserves the pages at mmap, so too few fail here, not later
+                self.fd, self.buffer = _map_new(name, nbytes, os.MFD_HUGETLB)
+                self.huge_pages = True
+            except OSError:
+                pass
+        if not self.huge_pages:
+            self.fd, self.buffer = _map_new(name, nbytes, 0)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self.buffer.madvise(mmap.MADV_HUGEPAGE)   # a no-op where shmem THP is off
+        _prefault(self.buffer)
+        self.handle = SegmentHandle(os.getpid(), self.fd, os.fstat(self.fd).st_ino, nbytes)
+
+    def close(self) -> None:
+        """Unmap and close; views over ``buffer`` must be gone (mmap refuses otherwise)."""
+        self.buffer.close()
+        os.close(self.fd)
+
+
+def _map_new(name: str, nbytes: int, flags: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | flags)
+    try:
+        os.ftruncate(fd, nbytes)
+        return fd, mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _prefault(buf: mmap.mmap) -> None:
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+    except OSError as e:   # an older kernel: touch one byte per page
+        if e.errno != errno.EINVAL:
+            raise
+        for offset in range(0, len(buf), mmap.PAGESIZE):
+            buf[offset] = 0
+
+
+class PeerSegments:
+    """Read-only mappings of peers' segments, each mapped once and kept while its owner lives."""
+
+    def __init__(self) -> None:
+        self._maps: dict[SegmentHandle, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def map(self, handle: SegmentHandle) -> mmap.mmap:
+        """The peer's segment; raises SegmentError when it is gone or is not that file."""
+        with self._lock:
+            self._prune()
+            buf = self._maps.get(handle)
+            if buf is None:
+                buf = self._maps[handle] = _open(handle)
+            return buf
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def _prune(self) -> None:
+        """Drop the mappings of owners that are gone (their memory is freed only then)."""
+        for handle in [h for h in self._maps if not _alive(h)]:
+            buf = self._maps.pop(handle)
+            with contextlib.suppress(BufferError):   # a view is still held: unmapped with it
+                buf.close()
+
+
+def _alive(handle: SegmentHandle) -> bool:
+    try:
+        return os.stat(handle.path).st_ino == handle.inode
+    except OSError:
+        return False
+
+
+def _open(handle: SegmentHandle) -> mmap.mmap:
+    try:
+        fd = os.open(handle.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SegmentError(f"KV segment {handle.path}: cannot open ({e.strerror}); its "
+                           "owner has exited or runs as another user") from e
+    try:
+        st = os.fstat(fd)
+        if st.st_ino != handle.inode or st.st_size < handle.nbytes:
+            raise SegmentError(f"KV segment {handle.path}: inode {st.st_ino} of "
+                               f"{st.st_size} bytes, expected inode {handle.inode} of "
+                               f"{handle.nbytes}: its owner has exited")
+        return mmap.mmap(fd, handle.nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)

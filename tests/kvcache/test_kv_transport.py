@@ -1,0 +1,252 @@
+"""KV transports: the one-copy shared-memory handoff bit for bit, corruption and a killed
+sender refused or survived cleanly, and the choice of transport per pair of workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvcache.block_checksum import block_checksum, copy_verified, row_checksums
+from kvcache.kv_tensors import KVShape, allocate_kv_cache
+from kvcache.kv_transfer import HostRows, KVTransferError, export_blocks, from_ipc_buffer
+from kvcache.kv_transport import (
+    MAX_PART_BYTES,
+    HandoffPlan,
+    Transport,
+    WorkerPlace,
+    _slab_bytes,
+    export_shared,
+    import_shared,
+    part_bounds,
+    plan_handoff,
+)
+from kvcache.shm_segment import PeerSegments, SegmentHandle, SharedSegment
+from tests.kvcache.test_kv_transfer import (
+    SHAPES,
+    assert_blocks_equal,
+    assert_untouched,
+    make_meta,
+    seq_blocks,
+    snapshot,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shared_pool(meta, num_blocks: int, seed: int) -> tuple[SharedSegment, list[torch.Tensor]]:
+    """A pool of random bit patterns in a shared segment, as a worker's host pool is."""
+    shape = KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads, meta.head_dim,
+                    getattr(torch, meta.dtype))
+    segment = SharedSegment(num_blocks * shape.bytes_per_block)
+    segment.buffer[:] = np.random.default_rng(seed).integers(
+        0, 256, segment.handle.nbytes, dtype=np.uint8).tobytes()
+    return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shared_memory_handoff_is_bit_exact(dtype, shape):
+    meta = make_meta(dtype, shape)
+    seg, src = shared_pool(meta, 8, seed=1)
+    _, dst = shared_pool(meta, 8, seed=2)
+    src_ids, dst_ids = [5, 0, 7, 2], [3, 6, 1, 4]
+    batch = export_shared(src, src_ids, *seq_blocks(meta, 4), meta, seg.handle)
+    assert "kv" not in batch.schema.names   # a description: the bytes never leave the pool
+    before = snapshot(dst)
+    got = import_shared(batch, dst, dst_ids, meta, PeerSegments())
+    assert_blocks_equal(dst, dst_ids, src, src_ids)
+    assert_blocks_equal(dst, [0, 2, 5, 7], before, [0, 2, 5, 7])
+    assert got.block_ids == dst_ids and got.token_counts == seq_blocks(meta, 4)[1]
+
+
+def test_partial_handoff_completes_the_prefix_the_receiver_holds():
+    """The receiver's prefix cache holds the first two blocks: only the rest moves, and the
+    receiver's copy of the prefix is left as it is."""
+    meta = make_meta(torch.bfloat16)
+    seg, src = shared_pool(meta, 8, seed=3)
+    _, dst = shared_pool(meta, 8, seed=4)
+    seq_src, seq_dst = [4, 1, 6, 2, 7], [0, 5, 3, 2, 6]
+    for d_layer, s_layer in zip(dst, src):
+        d_layer[:, seq_dst[:2]] = s_layer[:, seq_src[:2]]
+    hashes, counts = seq_blocks(meta, 5)
+    batch = export_shared(src, seq_src[2:], hashes[2:], counts[2:], meta, seg.handle)
+    import_shared(batch, dst, seq_dst[2:], meta, PeerSegments())
+    assert_blocks_equal(dst, seq_dst, src, seq_src)
+
+
+def test_host_rows_and_summaries_arrive_bit_exact():
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 8, seed=5)
+    _, dst = shared_pool(meta, 8, seed=6)
+    summaries = torch.randn(5, meta.num_layers, 2, meta.num_kv_heads, meta.head_dim)
+    batch = export_shared(src, [6, 1, 4, 0, 3], *seq_blocks(meta, 5), meta, seg.handle,
+                          summaries)
+    host_kv = torch.zeros(meta.num_layers, 2, 4, meta.block_size, meta.num_kv_heads,
+                          meta.head_dim, dtype=torch.float16)
+    got = import_shared(batch, dst, [5, 2, 7], meta, PeerSegments(),
+                        HostRows(1, [3, 0], host_kv))
+    assert torch.equal(got.summaries, summaries)
+    assert_blocks_equal(dst, [5, 2, 7], src, [6, 0, 3])
+    for layer, kv in enumerate(src):
+        assert torch.equal(host_kv[layer][:, [3, 0]].view(torch.uint8),
+                           kv[:, [1, 4]].view(torch.uint8))
+
+
+def test_block_checksum_is_xxh3_of_the_batch_row():
+    """Taken over the pool's slabs in place, it equals XXH3-64 of the row the object-store
+    batch carries for that block (an independent computation over contiguous bytes)."""
+    meta = make_meta(torch.float32, SHAPES[1])
+    _, pool = shared_pool(meta, 4, seed=7)
+    batch = export_blocks(pool, [2, 0], *seq_blocks(meta, 2), meta)
+    rows = np.frombuffer(batch.column("kv").storage.flatten().buffers()[1],
+                         dtype=np.uint8).reshape(2, -1)
+    want = [xxhash.xxh3_64_intdigest(r.tobytes()) for r in rows]
+    assert [block_checksum(_slab_bytes(pool), b) for b in (2, 0)] == want
+    assert row_checksums(rows).tolist() == want
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_byte_flipped_in_the_senders_pool_after_export_is_refused(where):
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 8, seed=8)
+    _, dst = shared_pool(meta, 8, seed=9)
+    src_ids = [2, 5, 1]
+    batch = export_shared(src, src_ids, *seq_blocks(meta, 3), meta, seg.handle)
+    row = {"first": 0, "middle": 1, "last": 2}[where]
+    victim = src[meta.num_layers - 1][1, src_ids[row]].view(torch.uint8).view(-1)
+    victim[-1] ^= 0x10   # V of the last layer, the last byte of the block
+    others = [b for b in range(8) if b not in (3, 6, 0)]
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match=rf"KV block {row} \(sender block "
+                                               rf"{src_ids[row]}\).*checksum"):
+        import_shared(batch, dst, [3, 6, 0], meta, PeerSegments())
+    assert_blocks_equal(dst, others, before, others)
+
+
+def test_a_description_for_another_pool_is_refused_untouched():
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 4, seed=10)
+    other = make_meta(torch.float32)
+    _, dst = shared_pool(other, 4, seed=11)
+    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle)
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match="dtype"):
+        import_shared(batch, dst, [2, 3], other, PeerSegments())
+    assert_untouched(dst, before)
+
+
+_SENDER = textwrap.dedent("""
+    import sys, time
+    import numpy as np, torch
+    from kvcache.kv_tensors import KVShape, allocate_kv_cache
+    from kvcache.kv_transfer import to_ipc_bytes
+    from kvcache.kv_transport import export_shared
+    from tests.kvcache.test_kv_transfer import make_meta, seq_blocks
+    meta = make_meta(torch.float16)
+    shape = KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads, meta.head_dim,
+                    torch.float16)
+    from kvcache.shm_segment import SharedSegment
+    seg = SharedSegment(8 * shape.bytes_per_block, name="kvpool-killed-sender")
+    seg.buffer[:] = np.random.default_rng(12).integers(
+        0, 256, seg.handle.nbytes, dtype=np.uint8).tobytes()
+    pool = allocate_kv_cache(shape, 8, torch.device("cpu"), seg.buffer)
+    batch = export_shared(pool, [6, 2, 4], *seq_blocks(meta, 3), meta, seg.handle)
+    open(sys.argv[1], "wb").write(to_ipc_bytes(batch))
+    print("ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def _start_sender(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "description.arrow"
+    proc = subprocess.Popen([sys.executable, "-c", _SENDER, str(out)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc, out
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def _mapped_here(name: str) -> bool:
+    return name in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.slow
+def test_a_sender_killed_mid_handoff_leaves_a_consistent_receiver_and_no_segment(tmp_path):
+    """Killed while the receiver copies, the sender's pages live on in the receiver's
+    mapping, so the copy completes bit for bit; a handoff from it after its death is
+    refused with the pool untouched; its mapping is dropped at the next handoff and
+    unmapped when the copy lets go; no file is left in /dev/shm at any point."""
+    shm_before = set(os.listdir("/dev/shm"))
+    meta = make_meta(torch.float16)
+    _, dst = shared_pool(meta, 8, seed=13)
+    proc, out = _start_sender(tmp_path)
+    batch = from_ipc_buffer(out.read_bytes())
+    handle = SegmentHandle(*(int(batch.schema.metadata[f"segment_{k}".encode()])
+                             for k in ("pid", "fd", "inode", "nbytes")))
+    peers = PeerSegments()
+    # Mid-handoff: import_shared has mapped the segment and copies out of this view.
+    source = np.frombuffer(peers.map(handle), dtype=np.uint8).reshape(_slab_bytes(dst).shape)
+    assert set(os.listdir("/dev/shm")) == shm_before   # the segment has no name
+    assert _mapped_here("kvpool-killed-sender")
+    _kill(proc)
+    checksums = batch.column("checksum").to_numpy()
+    assert copy_verified(source, [6, 2, 4], _slab_bytes(dst), [1, 7, 3], checksums) is None
+    want = np.random.default_rng(12).integers(0, 256, handle.nbytes, dtype=np.uint8)
+    src = allocate_kv_cache(KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads,
+                                    meta.head_dim, torch.float16), 8, torch.device("cpu"),
+                            memoryview(want))
+    assert_blocks_equal(dst, [1, 7, 3], src, [6, 2, 4])
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match="cannot open.*owner has exited"):
+        import_shared(batch, dst, [0, 2, 5], meta, peers)
+    assert_untouched(dst, before)
+    assert len(peers) == 0   # pruned by that handoff; unmapped when the copy lets go
+    del source
+    assert not _mapped_here("kvpool-killed-sender")
+    assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def test_segment_is_zeroed_prefaulted_and_mapped_by_a_peer_read_only():
+    seg = SharedSegment(3 << 20)
+    assert seg.buffer[:] == bytes(3 << 20)
+    assert seg.handle.pid == os.getpid() and not Path(seg.handle.path).name.startswith("/")
+    mapped = PeerSegments().map(seg.handle)
+    seg.buffer[12345] = 7
+    assert mapped[12345] == 7
+    with pytest.raises(TypeError):
+        mapped[0] = 1
+
+
+def test_same_node_shares_memory_and_another_node_uses_the_object_store_in_parts():
+    handle = SegmentHandle(1, 3, 4, 1 << 30)
+    here, there = WorkerPlace("node-a", 1 << 20, handle), WorkerPlace("node-b", 1 << 20, handle)
+    assert plan_handoff(here, WorkerPlace("node-a", 1 << 20, handle), 1000) == \
+        HandoffPlan(Transport.SHARED_MEMORY, 1)
+    per_part = MAX_PART_BYTES // (1 << 20)
+    assert plan_handoff(here, there, per_part) == HandoffPlan(Transport.OBJECT_STORE, 1)
+    assert plan_handoff(here, there, per_part + 1) == HandoffPlan(Transport.OBJECT_STORE, 2)
+    device_pool = WorkerPlace("node-a", 1 << 20, None)   # no shared segment
+    assert plan_handoff(here, device_pool, 1).transport is Transport.OBJECT_STORE
+    assert plan_handoff(None, here, 5) == HandoffPlan(Transport.OBJECT_STORE, 1)
+
+
+@pytest.mark.parametrize("rows,parts", [(10, 3), (2, 2), (0, 1), (7, 1)])
+def test_parts_cover_every_row_once(rows, parts):
+    bounds = part_bounds(rows, parts)
+    assert len(bounds) == parts
+    assert [r for a, b in bounds for r in range(a, b)] == list(range(rows))
+    assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
