@@ -10,6 +10,7 @@ embedded default: SmolLM2-135M-Instruct on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,11 +22,17 @@ import yaml
 from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
+from scheduler.protocol import SamplingParams
 from workers.device import DEVICES
+from workers.loading.generation_defaults import (
+    SAMPLING_DEFAULT_FIELDS,
+    resolve_sampling_defaults,
+)
 from workers.ops import OPS_BACKENDS
 from workers.worker import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -39,7 +46,9 @@ class ModelConfig:
     ``path`` None is the embedded default model; otherwise an HF checkpoint
     directory or a ``.gguf`` file. fp32 is the default because bf16/fp16 matrix
     products are hundreds of times slower on CPUs. ``ops`` ``torch`` forces the
-    reference kernels (the oracle) instead of the device's own.
+    reference kernels (the oracle) instead of the device's own. ``generation_config``
+    (vLLM's flag): where requests' sampling defaults come from: ``auto`` the
+    checkpoint's ``generation_config.json``, ``vllm`` none, or a directory holding one.
     """
 
     path: str | None = None
@@ -48,6 +57,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     ops: str = "auto"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -151,8 +161,18 @@ class ServingConfig:
     max_replicas: int = 2
     target_ongoing_requests: float = 64.0
     max_ongoing_requests: int = 512
+    default_sampling: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_FIELDS))
+        if unknown:
+            raise ValueError(f"default_sampling: unknown field(s) {', '.join(unknown)}; "
+                             f"allowed: {', '.join(SAMPLING_DEFAULT_FIELDS)}")
+        try:
+            SamplingParams(**{k: SAMPLING_DEFAULT_FIELDS[k](v)
+                              for k, v in self.default_sampling.items()})
+        except ValueError as e:
+            raise ValueError(f"default_sampling.{e}") from None
         if not 0 < self.port < 65536:
             raise ValueError(f"port: got {self.port}; expected 1 to 65535")
         if self.model_name is not None and not self.model_name.strip():
@@ -187,6 +207,20 @@ class EngineConfig:
             self.long_context.check_block_size(self.cache.block_size)
         except ValueError as e:
             raise ConfigError(f"long_context.{e}") from e
+
+
+def sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
+    """The sampling defaults in force for requests that omit a field; logged, since they
+    change what an unqualified request returns."""
+    try:
+        merged = resolve_sampling_defaults(config.model.path, config.model.generation_config,
+                                           config.serving.default_sampling)
+    except ValueError as e:
+        raise ConfigError(f"model.{e}") from e
+    log.info("sampling defaults for requests that omit them: %s (model.generation_config=%s, "
+             "serving.default_sampling=%s)", merged or "vLLM's (temperature 1.0, ...)",
+             config.model.generation_config, config.serving.default_sampling or "{}")
+    return merged
 
 
 def with_overrides(config: EngineConfig, overrides: dict[tuple[str, str], Any]) -> EngineConfig:

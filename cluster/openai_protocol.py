@@ -10,6 +10,7 @@ that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -70,13 +71,17 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        seed: int | None) -> SamplingParams:
+                        seed: int | None, defaults: Mapping[str, float | int]
+                        ) -> SamplingParams:
         """One choice's parameters (the cluster runs n=1 per sequence: each choice is its
-        own request, with ``seed + index`` when a seed is given)."""
+        own request, with ``seed + index`` when a seed is given); ``defaults`` (the
+        model's generation config) fill the sampling fields the request left out."""
+        given = {name: getattr(self, name) for name in
+                 ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        model = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
         try:
             return SamplingParams(
-                n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                n=1, **{**given, **model},
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, seed=seed, stop=self.stop or [],
                 stop_token_ids=self.stop_token_ids or [],

@@ -74,6 +74,7 @@ class CellInfo:
     tokenizer: Tokenizer | None
     vocab_size: int
     max_model_len: int
+    sampling_defaults: dict[str, float | int]
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -85,7 +86,8 @@ class LLMCell:
 
     def describe(self) -> CellInfo:
         e = self.engine
-        return CellInfo(e.config.cluster.name, e.tokenizer, e.vocab_size, e.max_model_len)
+        return CellInfo(e.config.cluster.name, e.tokenizer, e.vocab_size, e.max_model_len,
+                        e.sampling_defaults)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -161,6 +163,7 @@ class Router:
         self.serving = ServingConfig(**serving)
         self.api_key = self.serving.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = model_name
+        self.sampling_defaults = info.sampling_defaults
         self.metrics = RouterMetrics()
         self.created = int(time.time())
 
@@ -245,7 +248,8 @@ class Router:
     async def _models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "llm-cluster", "max_model_len": self.client.max_model_len}]})
+            "owned_by": "llm-cluster", "max_model_len": self.client.max_model_len,
+            "sampling_defaults": self.sampling_defaults}]})
 
     async def _completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
@@ -307,7 +311,7 @@ class Router:
             budget = max_tokens if max_tokens is not None else limit - len(ids)
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                params = req.sampling_params(budget, logprobs, seed)
+                params = req.sampling_params(budget, logprobs, seed, self.sampling_defaults)
                 choices.append(_Choice(len(choices), text, ids, params))
         return choices
 
