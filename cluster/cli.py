@@ -115,6 +115,8 @@ BENCHMARKS = {
                      "speed, a 64K decode step's time and device KV, capacity"),
     "long-context-recall": ("long_context_recall", "the attention mass sparse retrieval's "
                             "selected blocks capture on real text, against the oracle top-k"),
+    "structured": ("structured_output", "structured output's cost: Workload A with a JSON "
+                   "schema on every request against none, interleaved"),
     "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
 }
