@@ -16,8 +16,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.openai_structured import StructuredFields
 from cluster.outputs import CompletionOutput
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -41,7 +42,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredFields):
     """The fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -71,11 +72,12 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        seed: int | None, defaults: Mapping[str, float | int]
-                        ) -> SamplingParams:
+                        seed: int | None, defaults: Mapping[str, float | int],
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """One choice's parameters (the cluster runs n=1 per sequence: each choice is its
         own request, with ``seed + index`` when a seed is given); ``defaults`` (the
-        model's generation config) fill the sampling fields the request left out."""
+        model's generation config) fill the sampling fields the request left out;
+        ``structured`` constrains the output."""
         given = {name: getattr(self, name) for name in
                  ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
         model = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
@@ -87,7 +89,8 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured)
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise APIError(400, str(e), param=field) from None

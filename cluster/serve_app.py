@@ -50,7 +50,7 @@ from cluster.openai_protocol import (
 from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, RequestOutput
 from scheduler.global_scheduler import NoWorkersError, OverloadedError
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import SamplingParams, StructuredOutputsParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
 from workers.tokenizer import Tokenizer
 
@@ -137,6 +137,13 @@ def _usage(choices: list[_Choice]) -> Usage:
 def _too_large(size: int, limit: int) -> APIError:
     return APIError(413, f"the request body has {size} bytes; this server accepts at most "
                     f"{limit} (serving.max_request_bytes)", code="request_too_large")
+
+
+def _structured_spec(req: Any) -> StructuredOutputsParams | None:
+    try:
+        return req.structured_spec()
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
 
 
 def _scheduler_error(e: BaseException) -> BaseException:
@@ -301,6 +308,7 @@ class Router:
             raise APIError(400, f"n: got {req.n} for {len(prompts)} prompt(s); at most "
                            f"{MAX_CHOICES} choices per request", "n")
         limit = self.client.max_model_len
+        structured = _structured_spec(req)
         choices = []
         for text, ids in prompts:
             if max_tokens is not None and len(ids) + max_tokens > limit:
@@ -311,7 +319,8 @@ class Router:
             budget = max_tokens if max_tokens is not None else limit - len(ids)
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                params = req.sampling_params(budget, logprobs, seed, self.sampling_defaults)
+                params = req.sampling_params(budget, logprobs, seed, self.sampling_defaults,
+                                             structured)
                 choices.append(_Choice(len(choices), text, ids, params))
         return choices
 
