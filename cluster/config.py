@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from cluster.reasoning import REASONING_PARSERS
 from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
@@ -149,7 +150,11 @@ class ServingConfig:
     the checkpoint's name). ``api_key``: when set (or ``LLM_CLUSTER_API_KEY`` is), every
     ``/v1`` request needs ``Authorization: Bearer <key>``. ``max_request_bytes``: larger
     bodies are refused with 413. Router replicas autoscale between ``min_replicas`` and
-    ``max_replicas`` on ``target_ongoing_requests`` per replica.
+    ``max_replicas`` on ``target_ongoing_requests`` per replica. ``default_sampling``:
+    sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests
+    that leave them out, over the model's own (``model.generation_config``).
+    ``reasoning_parser`` (vLLM's flag): ``qwen3`` or ``deepseek_r1`` moves ``<think>``
+    text into ``reasoning_content``; null leaves it in the answer.
     """
 
     host: str = "127.0.0.1"
@@ -162,8 +167,12 @@ class ServingConfig:
     target_ongoing_requests: float = 64.0
     max_ongoing_requests: int = 512
     default_sampling: dict[str, float] = field(default_factory=dict)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: got {self.reasoning_parser!r}; allowed: "
+                             f"{', '.join(REASONING_PARSERS)}, or null for none")
         unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_FIELDS))
         if unknown:
             raise ValueError(f"default_sampling: unknown field(s) {', '.join(unknown)}; "

@@ -49,6 +49,7 @@ from cluster.openai_protocol import (
 )
 from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.reasoning import ReasoningParser
 from scheduler.global_scheduler import NoWorkersError, OverloadedError
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
@@ -120,6 +121,8 @@ class _Choice:
     out: CompletionOutput = field(default_factory=lambda: CompletionOutput(0))
     sent_text: int = 0
     sent_tokens: int = 0
+    sent_reasoning: int = 0   # with a reasoning parser: what of each part has been sent
+    sent_content: int = 0
     first_token_at: float | None = None
 
 
@@ -171,6 +174,8 @@ class Router:
         self.api_key = self.serving.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = model_name
         self.sampling_defaults = info.sampling_defaults
+        self.reasoning = (ReasoningParser(self.serving.reasoning_parser)
+                          if self.serving.reasoning_parser else None)
         self.metrics = RouterMetrics()
         self.created = int(time.time())
 
@@ -278,9 +283,14 @@ class Router:
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template; "
                            "use /v1/completions with token ids", "messages")
+        extra = req.chat_template_kwargs or {}
+        clash = sorted(set(extra) & {"messages", "add_generation_prompt", "tools"})
+        if clash:
+            raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set "
+                           "here; use the request's own fields", param="chat_template_kwargs")
         try:
             text = tok.apply_chat_template([m.as_template_input() for m in req.messages],
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, **extra)
         except Exception as e:   # a template's own refusal, e.g. roles out of order
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            param="messages") from None
@@ -475,10 +485,20 @@ class Router:
             return {"index": c.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}
         new, start, done = self._delta(c)
-        if not new and not done:
+        delta = {"content": new} if new else {}
+        if self.reasoning is not None:
+            parts = self.reasoning.split(streamable_text(c.out, c.params.stop), done)
+            delta = {}
+            if parts.reasoning is not None and len(parts.reasoning) > c.sent_reasoning:
+                delta["reasoning_content"] = parts.reasoning[c.sent_reasoning:]
+            if len(parts.content) > c.sent_content:
+                delta["content"] = parts.content[c.sent_content:]
+            c.sent_reasoning = len(parts.reasoning or "")
+            c.sent_content = len(parts.content)
+        if not delta and not done:
             return None
         logprobs = chat_logprobs(c.out, start) if c.params.logprobs is not None else None
-        return {"index": c.index, "delta": {"content": new} if new else {},
+        return {"index": c.index, "delta": delta,
                 "logprobs": logprobs, "finish_reason": finish_reason(c.out) if done else None}
 
     @staticmethod
@@ -489,10 +509,14 @@ class Router:
         return {"index": c.index, "text": head + c.out.text, "logprobs": logprobs,
                 "finish_reason": finish_reason(c.out)}
 
-    @staticmethod
-    def _chat_choice(req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:
+    def _chat_choice(self, req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(c.out, 0) if c.params.logprobs is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": c.out.text},
+        message: dict[str, Any] = {"role": "assistant", "content": c.out.text}
+        if self.reasoning is not None:
+            parts = self.reasoning.split(c.out.text, True)
+            message = {"role": "assistant", "content": parts.content,
+                       "reasoning_content": parts.reasoning}
+        return {"index": c.index, "message": message,
                 "logprobs": logprobs, "finish_reason": finish_reason(c.out)}
 
 
