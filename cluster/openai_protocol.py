@@ -72,7 +72,7 @@ class _SamplingFields(StructuredFields):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        seed: int | None, defaults: Mapping[str, float | int],
+                        seed: int | None, defaults: Mapping[str, float | int] | None = None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """One choice's parameters (the cluster runs n=1 per sequence: each choice is its
         own request, with ``seed + index`` when a seed is given); ``defaults`` (the
@@ -80,7 +80,7 @@ class _SamplingFields(StructuredFields):
         ``structured`` constrains the output."""
         given = {name: getattr(self, name) for name in
                  ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
-        model = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
+        model = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         try:
             return SamplingParams(
                 n=1, **{**given, **model},
