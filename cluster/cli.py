@@ -117,6 +117,8 @@ BENCHMARKS = {
                             "selected blocks capture on real text, against the oracle top-k"),
     "structured": ("structured_output", "structured output's cost: Workload A with a JSON "
                    "schema on every request against none, interleaved"),
+    "grammar-backends": ("grammar_backends", "llguidance against xgrammar (installed beside "
+                         "the project) on the default model's tokenizer: compile, mask cost"),
     "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
 }
