@@ -142,3 +142,15 @@ def test_constrained_and_unconstrained_rows_do_not_affect_each_other(llm):
     assert together[1].outputs[0].token_ids == alone_bound.token_ids
     jsonschema.validate(json.loads(alone_bound.text), schema)
     assert alone_bound.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_forked_children_keep_to_the_grammar(llm):
+    """n > 1: each child is forked from the parent after the prompt, with its own first
+    token; its matcher must start from that token, not the parent's."""
+    choices = ["red", "green", "blue", "yellow"]
+    params = SamplingParams(n=4, temperature=1.5, seed=3, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    outs = llm.generate("My favourite colour is", params)[0].outputs
+    assert len(outs) == 4 and all(o.text in choices for o in outs)
+    assert all(o.finish_reason == "stop" for o in outs)
