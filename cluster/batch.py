@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import json
 import logging
 import signal
 import sys
@@ -37,7 +38,7 @@ from cluster.cli import interrupt
 from cluster.config import ClusterConfig, EngineConfig, load_config, with_default_pools
 from cluster.llm import LLM
 from cluster.outputs import RequestOutput
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,8 @@ def _submit(llm: LLM, request_id: str, row: InputRow, defaults: dict[str, Any]) 
         return row.error
     try:
         params = SamplingParams(**{**defaults, **{k: v for k, v in row.fields.items()
-                                                  if k in SAMPLING_COLUMNS and v is not None}})
+                                                  if k in SAMPLING_COLUMNS and v is not None}},
+                                structured_outputs=_structured(row.fields))
         prompt, messages = row.fields.get("prompt"), row.fields.get("messages")
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat) per "
@@ -180,6 +182,25 @@ def _submit(llm: LLM, request_id: str, row: InputRow, defaults: dict[str, Any]) 
     except (ValueError, TypeError) as e:
         return str(e)
     return None
+
+
+def _structured(fields: dict[str, Any]) -> StructuredOutputsParams | None:
+    spec = fields.get("structured_outputs")
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs: not valid JSON ({e})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"structured_outputs: got {spec!r:.100}; expected an object such as "
+                         '{"json": {...schema...}} or {"regex": "..."}')
+    try:
+        return StructuredOutputsParams(**spec)
+    except TypeError:
+        raise ValueError(f"structured_outputs: got fields {sorted(spec)}; allowed: json, "
+                         "regex, choice, grammar, json_object") from None
 
 
 def _chat_text(llm: LLM, messages: Any) -> str:

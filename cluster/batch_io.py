@@ -28,7 +28,9 @@ import pyarrow.parquet as pq
 SAMPLING_COLUMNS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                     "stop", "ignore_eos")
-INPUT_COLUMNS = ("id", "prompt", "messages", *SAMPLING_COLUMNS)
+# structured_outputs: {json | regex | choice | grammar | json_object} as vLLM names them
+# (an object in JSONL, its JSON text in Parquet)
+INPUT_COLUMNS = ("id", "prompt", "messages", "structured_outputs", *SAMPLING_COLUMNS)
 FORMATS = (".jsonl", ".json", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
 

@@ -53,6 +53,13 @@ def interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def curl_example(url: str, model_name: str) -> str:
+    """The request ``serve`` prints for users to try first."""
+    return (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{model_name}", "max_tokens": 64, "messages": [{{"role": """
+            f""""user", "content": "What is the capital of France?"}}]}}'""")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -60,7 +67,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.config import load_config, with_default_pools, with_overrides
+    from cluster.config import load_config, sampling_defaults, with_default_pools, with_overrides
     from cluster.serve_app import app_for, served_model_name
 
     flags = {("model", "path"): args.model, ("serving", "host"): args.host,
@@ -76,10 +83,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         serve.run(app_for(config), name="llm", route_prefix="/")
         url = f"http://{sv.host}:{sv.port}"
         name = served_model_name(config)
+        defaults = ", ".join(f"{k}={v}" for k, v in sampling_defaults(config).items())
         print(f"Serving {name} at {url}/v1 (OpenAI API); Ctrl-C stops it.\n"
-              f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"""-d '{{"model": "{name}", "max_tokens": 64, "messages": [{{"role": """
-              f""""user", "content": "What is the capital of France?"}}]}}'""", flush=True)
+              f"Sampling defaults for requests that omit them: {defaults or 'none'}\n"
+              f"  {curl_example(url, name)}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -108,6 +115,10 @@ BENCHMARKS = {
                      "speed, a 64K decode step's time and device KV, capacity"),
     "long-context-recall": ("long_context_recall", "the attention mass sparse retrieval's "
                             "selected blocks capture on real text, against the oracle top-k"),
+    "structured": ("structured_output", "structured output's cost: Workload A with a JSON "
+                   "schema on every request against none, interleaved"),
+    "grammar-backends": ("grammar_backends", "llguidance against xgrammar (installed beside "
+                         "the project) on the default model's tokenizer: compile, mask cost"),
     "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
 }

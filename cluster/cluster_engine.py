@@ -25,7 +25,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from cluster.config import EngineConfig, WorkerPoolConfig
+from cluster.config import EngineConfig, WorkerPoolConfig, sampling_defaults
 from cluster.engine import resolve_max_model_len, tokenize_prompt
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput
@@ -248,6 +248,7 @@ class ClusterEngine(ClusterClient):
         ckpt = checkpoint or load_checkpoint(mc.path, dtype=getattr(torch, mc.dtype),
                                              tokenizer=mc.tokenizer)
         self.model_config = ckpt.config
+        self.sampling_defaults = sampling_defaults(config)
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
                           config.cache, config.scheduler.max_model_len, 1, config.long_context)
         self.workers: dict[str, Any] = {}

@@ -10,6 +10,7 @@ embedded default: SmolLM2-135M-Instruct on the CPU.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,14 +19,21 @@ from typing import Any
 
 import yaml
 
+from cluster.reasoning import REASONING_PARSERS
 from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
+from scheduler.protocol import SamplingParams
 from workers.device import DEVICES
+from workers.loading.generation_defaults import (
+    SAMPLING_DEFAULT_FIELDS,
+    resolve_sampling_defaults,
+)
 from workers.ops import OPS_BACKENDS
 from workers.worker import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
+log = logging.getLogger(__name__)
 
 
 class ConfigError(ValueError):
@@ -39,7 +47,9 @@ class ModelConfig:
     ``path`` None is the embedded default model; otherwise an HF checkpoint
     directory or a ``.gguf`` file. fp32 is the default because bf16/fp16 matrix
     products are hundreds of times slower on CPUs. ``ops`` ``torch`` forces the
-    reference kernels (the oracle) instead of the device's own.
+    reference kernels (the oracle) instead of the device's own. ``generation_config``
+    (vLLM's flag): where requests' sampling defaults come from: ``auto`` the
+    checkpoint's ``generation_config.json``, ``vllm`` none, or a directory holding one.
     """
 
     path: str | None = None
@@ -48,6 +58,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     ops: str = "auto"
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -139,7 +150,11 @@ class ServingConfig:
     the checkpoint's name). ``api_key``: when set (or ``LLM_CLUSTER_API_KEY`` is), every
     ``/v1`` request needs ``Authorization: Bearer <key>``. ``max_request_bytes``: larger
     bodies are refused with 413. Router replicas autoscale between ``min_replicas`` and
-    ``max_replicas`` on ``target_ongoing_requests`` per replica.
+    ``max_replicas`` on ``target_ongoing_requests`` per replica. ``default_sampling``:
+    sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) for requests
+    that leave them out, over the model's own (``model.generation_config``).
+    ``reasoning_parser`` (vLLM's flag): ``qwen3`` or ``deepseek_r1`` moves ``<think>``
+    text into ``reasoning_content``; null leaves it in the answer.
     """
 
     host: str = "127.0.0.1"
@@ -151,8 +166,22 @@ class ServingConfig:
     max_replicas: int = 2
     target_ongoing_requests: float = 64.0
     max_ongoing_requests: int = 512
+    default_sampling: dict[str, float] = field(default_factory=dict)
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser: got {self.reasoning_parser!r}; allowed: "
+                             f"{', '.join(REASONING_PARSERS)}, or null for none")
+        unknown = sorted(set(self.default_sampling) - set(SAMPLING_DEFAULT_FIELDS))
+        if unknown:
+            raise ValueError(f"default_sampling: unknown field(s) {', '.join(unknown)}; "
+                             f"allowed: {', '.join(SAMPLING_DEFAULT_FIELDS)}")
+        try:
+            SamplingParams(**{k: SAMPLING_DEFAULT_FIELDS[k](v)
+                              for k, v in self.default_sampling.items()})
+        except ValueError as e:
+            raise ValueError(f"default_sampling.{e}") from None
         if not 0 < self.port < 65536:
             raise ValueError(f"port: got {self.port}; expected 1 to 65535")
         if self.model_name is not None and not self.model_name.strip():
@@ -187,6 +216,20 @@ class EngineConfig:
             self.long_context.check_block_size(self.cache.block_size)
         except ValueError as e:
             raise ConfigError(f"long_context.{e}") from e
+
+
+def sampling_defaults(config: EngineConfig) -> dict[str, float | int]:
+    """The sampling defaults in force for requests that omit a field; logged, since they
+    change what an unqualified request returns."""
+    try:
+        merged = resolve_sampling_defaults(config.model.path, config.model.generation_config,
+                                           config.serving.default_sampling)
+    except ValueError as e:
+        raise ConfigError(f"model.{e}") from e
+    log.info("sampling defaults for requests that omit them: %s (model.generation_config=%s, "
+             "serving.default_sampling=%s)", merged or "vLLM's (temperature 1.0, ...)",
+             config.model.generation_config, config.serving.default_sampling or "{}")
+    return merged
 
 
 def with_overrides(config: EngineConfig, overrides: dict[tuple[str, str], Any]) -> EngineConfig:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, sampling_defaults
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput
 from kvcache.kv_cache_manager import KVCacheManager
@@ -125,6 +125,7 @@ class LocalEngine:
         self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos),
                                         tiers)
         self.outputs = OutputProcessor(ckpt.tokenizer)
+        self.sampling_defaults = sampling_defaults(config)
         self.step_records: list[StepRecord] | None = None  # a list records every step
 
     # ---- requests ------------------------------------------------------------------

@@ -70,6 +70,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use when given no ``SamplingParams``: the
+        model's generation config (see ``model.generation_config``) over vLLM's defaults."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = False,
@@ -109,7 +114,8 @@ class LLM:
     def _run(self, parsed: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
              use_tqdm: bool, priority: Sequence[int] | None) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(parsed))
+        params = _per_prompt(sampling_params if sampling_params is not None
+                             else self.get_default_sampling_params(), len(parsed))
         prios = list(priority) if priority is not None else [0] * len(parsed)
         if len(prios) != len(parsed):
             raise ValueError(f"priority has {len(prios)} entries for {len(parsed)} prompts")
@@ -143,10 +149,8 @@ def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]
     return items
 
 
-def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None,
+def _per_prompt(sp: SamplingParams | Sequence[SamplingParams],
                 n: int) -> list[SamplingParams]:
-    if sp is None:
-        return [SamplingParams() for _ in range(n)]
     if isinstance(sp, SamplingParams):
         return [sp] * n
     sps = list(sp)

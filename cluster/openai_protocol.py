@@ -10,13 +10,15 @@ that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.openai_structured import StructuredFields
 from cluster.outputs import CompletionOutput
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -40,7 +42,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredFields):
     """The fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -70,19 +72,25 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        seed: int | None) -> SamplingParams:
+                        seed: int | None, defaults: Mapping[str, float | int] | None = None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """One choice's parameters (the cluster runs n=1 per sequence: each choice is its
-        own request, with ``seed + index`` when a seed is given)."""
+        own request, with ``seed + index`` when a seed is given); ``defaults`` (the
+        model's generation config) fill the sampling fields the request left out;
+        ``structured`` constrains the output."""
+        given = {name: getattr(self, name) for name in
+                 ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        model = {k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set}
         try:
             return SamplingParams(
-                n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                n=1, **{**given, **model},
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, seed=seed, stop=self.stop or [],
                 stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                structured_outputs=structured)
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise APIError(400, str(e), param=field) from None
@@ -131,6 +139,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def output_limit(self) -> int | None:

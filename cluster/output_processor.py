@@ -16,6 +16,7 @@ from cluster.outputs import CompletionOutput, Logprob, RequestOutput
 from scheduler.protocol import SamplingParams, TokenLogprobs
 from scheduler.sequence import SeqUpdate
 from workers.detokenizer import IncrementalDetokenizer
+from workers.structured_output import grammar_for
 from workers.tokenizer import Tokenizer
 
 
@@ -60,6 +61,10 @@ class OutputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none; "
                              "use stop_token_ids instead")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer, and this model has none")
+            grammar_for(params.structured_outputs)   # refuse a bad grammar before any work
         self.requests[request_id] = _RequestText(request_id, prompt, prompt_token_ids, params,
                                                  stream)
 

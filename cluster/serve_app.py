@@ -50,8 +50,9 @@ from cluster.openai_protocol import (
 )
 from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.reasoning import ReasoningParser
 from scheduler.global_scheduler import NoWorkersError, OverloadedError
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import SamplingParams, StructuredOutputsParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
 from workers.tokenizer import Tokenizer
 
@@ -75,6 +76,7 @@ class CellInfo:
     tokenizer: Tokenizer | None
     vocab_size: int
     max_model_len: int
+    sampling_defaults: dict[str, float | int]
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -86,7 +88,8 @@ class LLMCell:
 
     def describe(self) -> CellInfo:
         e = self.engine
-        return CellInfo(e.config.cluster.name, e.tokenizer, e.vocab_size, e.max_model_len)
+        return CellInfo(e.config.cluster.name, e.tokenizer, e.vocab_size, e.max_model_len,
+                        e.sampling_defaults)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -119,6 +122,8 @@ class _Choice:
     out: CompletionOutput = field(default_factory=lambda: CompletionOutput(0))
     sent_text: int = 0
     sent_tokens: int = 0
+    sent_reasoning: int = 0   # with a reasoning parser: what of each part has been sent
+    sent_content: int = 0
     first_token_at: float | None = None
 
 
@@ -136,6 +141,13 @@ def _usage(choices: list[_Choice]) -> Usage:
 def _too_large(size: int, limit: int) -> APIError:
     return APIError(413, f"the request body has {size} bytes; this server accepts at most "
                     f"{limit} (serving.max_request_bytes)", code="request_too_large")
+
+
+def _structured_spec(req: Any) -> StructuredOutputsParams | None:
+    try:
+        return req.structured_spec()
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
 
 
 def _scheduler_error(e: BaseException) -> BaseException:
@@ -162,6 +174,9 @@ class Router:
         self.serving = ServingConfig(**serving)
         self.api_key = self.serving.api_key or os.environ.get(API_KEY_ENV) or None
         self.model_name = model_name
+        self.sampling_defaults = info.sampling_defaults
+        self.reasoning = (ReasoningParser(self.serving.reasoning_parser)
+                          if self.serving.reasoning_parser else None)
         self.metrics = RouterMetrics()
         self.created = int(time.time())
 
@@ -246,7 +261,8 @@ class Router:
     async def _models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "llm-cluster", "max_model_len": self.client.max_model_len}]})
+            "owned_by": "llm-cluster", "max_model_len": self.client.max_model_len,
+            "sampling_defaults": self.sampling_defaults}]})
 
     async def _completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
@@ -268,9 +284,14 @@ class Router:
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template; "
                            "use /v1/completions with token ids", "messages")
+        extra = req.chat_template_kwargs or {}
+        clash = sorted(set(extra) & {"messages", "add_generation_prompt", "tools"})
+        if clash:
+            raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set "
+                           "here; use the request's own fields", param="chat_template_kwargs")
         try:
             text = tok.apply_chat_template([m.as_template_input() for m in req.messages],
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, **extra)
         except Exception as e:   # a template's own refusal, e.g. roles out of order
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            param="messages") from None
@@ -298,6 +319,7 @@ class Router:
             raise APIError(400, f"n: got {req.n} for {len(prompts)} prompt(s); at most "
                            f"{MAX_CHOICES} choices per request", "n")
         limit = self.client.max_model_len
+        structured = _structured_spec(req)
         choices = []
         for text, ids in prompts:
             if max_tokens is not None and len(ids) + max_tokens > limit:
@@ -308,7 +330,8 @@ class Router:
             budget = max_tokens if max_tokens is not None else limit - len(ids)
             for i in range(req.n):
                 seed = None if req.seed is None else req.seed + i
-                params = req.sampling_params(budget, logprobs, seed)
+                params = req.sampling_params(budget, logprobs, seed, self.sampling_defaults,
+                                             structured)
                 choices.append(_Choice(len(choices), text, ids, params))
         return choices
 
@@ -463,10 +486,20 @@ class Router:
             return {"index": c.index, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}
         new, start, done = self._delta(c)
-        if not new and not done:
+        delta = {"content": new} if new else {}
+        if self.reasoning is not None:
+            parts = self.reasoning.split(streamable_text(c.out, c.params.stop), done)
+            delta = {}
+            if parts.reasoning is not None and len(parts.reasoning) > c.sent_reasoning:
+                delta["reasoning_content"] = parts.reasoning[c.sent_reasoning:]
+            if len(parts.content) > c.sent_content:
+                delta["content"] = parts.content[c.sent_content:]
+            c.sent_reasoning = len(parts.reasoning or "")
+            c.sent_content = len(parts.content)
+        if not delta and not done:
             return None
         logprobs = chat_logprobs(c.out, start) if c.params.logprobs is not None else None
-        return {"index": c.index, "delta": {"content": new} if new else {},
+        return {"index": c.index, "delta": delta,
                 "logprobs": logprobs, "finish_reason": finish_reason(c.out) if done else None}
 
     @staticmethod
@@ -477,10 +510,14 @@ class Router:
         return {"index": c.index, "text": head + c.out.text, "logprobs": logprobs,
                 "finish_reason": finish_reason(c.out)}
 
-    @staticmethod
-    def _chat_choice(req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:
+    def _chat_choice(self, req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(c.out, 0) if c.params.logprobs is not None else None
-        return {"index": c.index, "message": {"role": "assistant", "content": c.out.text},
+        message: dict[str, Any] = {"role": "assistant", "content": c.out.text}
+        if self.reasoning is not None:
+            parts = self.reasoning.split(c.out.text, True)
+            message = {"role": "assistant", "content": parts.content,
+                       "reasoning_content": parts.reasoning}
+        return {"index": c.index, "message": message,
                 "logprobs": logprobs, "finish_reason": finish_reason(c.out)}
 
 

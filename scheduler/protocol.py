@@ -10,6 +10,7 @@ as msgpack (``encode`` / ``decode``), so they hold only plain values.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import types
 import typing
@@ -19,6 +20,40 @@ from typing import Any, TypeVar
 import msgpack
 
 _MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint the output must match (vLLM's structured outputs), exactly one kind:
+    a JSON schema (``json``, a dict or its text), any JSON object (``json_object``), a
+    regular expression, one of ``choice``'s strings, or a Lark / GBNF ``grammar``.
+
+    The worker compiles it into token masks; only the spec travels (plain values).
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs: got {kinds or 'none'}; set exactly one of "
+                             "json, regex, choice, grammar, json_object")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice: got {self.choice!r}; expected a "
+                             "non-empty list of non-empty strings")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name}: got {value!r}; expected a "
+                                 "non-empty string")
 
 
 @dataclass
@@ -46,6 +81,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

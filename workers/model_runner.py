@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from kvcache.config import CacheConfig
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
@@ -36,6 +37,7 @@ from workers.ops import get_ops
 from workers.ops.base import AttentionMetadata, PrefillSegment
 from workers.sampler import Sampler, SamplingRow
 from workers.sparse_attention import LongContextAttention, SeqTierState
+from workers.structured_output import StructuredOutputs
 
 
 @dataclass
@@ -47,6 +49,7 @@ class SeqState:
     sampling: SamplingParams
     sample_index: int = 0
     tier: SeqTierState | None = None  # long sequences: mode, host blocks, recall cache
+    matcher: LLMatcher | None = None  # structured output: the grammar's state after the output
 
 
 @dataclass
@@ -86,6 +89,8 @@ class ModelRunner:
         self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
                              if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
+        self.tokenizer = checkpoint.tokenizer
+        self._structured: StructuredOutputs | None = None  # built at the first constrained request
         self.seqs: dict[str, SeqState] = {}
 
     # ---- plan application --------------------------------------------------------
@@ -115,6 +120,7 @@ class ModelRunner:
     def _add(self, s: NewSequence) -> _Scheduled:
         state = SeqState(list(s.token_ids), s.num_prompt_tokens, s.num_computed_tokens,
                          list(s.block_ids), s.sampling, s.sample_index)
+        state.matcher = self._matcher(state)
         self.seqs[s.seq_id] = state
         return _Scheduled(s.seq_id, state, s.num_scheduled_tokens)
 
@@ -144,9 +150,24 @@ class ModelRunner:
             parent = self.seqs.get(f.parent_id)
             if parent is None:
                 raise PlanError(f"fork of {f.seq_id!r} names unknown parent {f.parent_id!r}")
-            self.seqs[f.seq_id] = SeqState(
+            child = SeqState(
                 parent.token_ids[:-1] + [f.first_token], parent.num_prompt_tokens,
                 parent.num_computed_tokens, list(f.block_ids), parent.sampling, f.sample_index)
+            child.matcher = self._matcher(child)
+            self.seqs[f.seq_id] = child
+
+    def _matcher(self, state: SeqState) -> LLMatcher | None:
+        """A constrained sequence's grammar state, having consumed its output so far."""
+        spec = state.sampling.structured_outputs
+        if spec is None:
+            return None
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise PlanError("structured output needs a tokenizer, and this checkpoint "
+                                "has none")
+            self._structured = StructuredOutputs(self.tokenizer, self.config.vocab_size,
+                                                 self.sampler.eos_token_ids)
+        return self._structured.matcher(spec, state.token_ids[state.num_prompt_tokens:])
 
     # ---- one forward pass ----------------------------------------------------------
     def _run(self, scheduled: list[_Scheduled], timing: _Timing) -> list[SequenceOutput]:
@@ -161,6 +182,13 @@ class ModelRunner:
         inputs = self._prepare(scheduled)
         t1 = time.perf_counter()
         timing.prepare_s = t1 - t0
+        # Which sequences sample this step is known now: their grammar masks are computed
+        # on the helper thread while the model runs.
+        done = [i for i, s in enumerate(scheduled)
+                if s.state.num_computed_tokens + s.num_tokens == len(s.state.token_ids)]
+        constrained = [i for i in done if scheduled[i].state.matcher is not None]
+        masks = (self._structured.masks_async([scheduled[i].state.matcher for i in constrained])
+                 if constrained else None)
         sparse = None
         if self.long_context is not None:
             nd = inputs.meta.num_decode_tokens
@@ -171,8 +199,6 @@ class ModelRunner:
                  for s in scheduled[:nd]], inputs.meta)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.meta, sparse)
-        done = [i for i, s in enumerate(scheduled)
-                if s.state.num_computed_tokens + s.num_tokens == len(s.state.token_ids)]
         for s in scheduled:
             s.state.num_computed_tokens += s.num_tokens
         if not done:
@@ -185,8 +211,10 @@ class ModelRunner:
         # A request with n > 1 whose prompt just completed samples n tokens from one row.
         fanout = [st.sampling.n if len(st.token_ids) == st.num_prompt_tokens else 1
                   for st in (scheduled[i].state for i in done)]
+        mask_of = dict(zip(constrained, masks.result())) if masks is not None else {}
         rows = [SamplingRow(st.sampling, st.token_ids[:st.num_prompt_tokens],
-                            st.token_ids[st.num_prompt_tokens:], st.sample_index + k)
+                            st.token_ids[st.num_prompt_tokens:], st.sample_index + k,
+                            mask_of.get(i))
                 for i, f in zip(done, fanout) for st in [scheduled[i].state] for k in range(f)]
         if len(rows) != len(done):
             logits = logits.repeat_interleave(torch.as_tensor(fanout), dim=0)
@@ -198,6 +226,8 @@ class ModelRunner:
             toks, lps = result.token_ids[pos:pos + f], result.logprobs[pos:pos + f]
             pos += f
             s.state.token_ids.append(toks[0])
+            if s.state.matcher is not None:
+                StructuredOutputs.advance(s.state.matcher, toks[0])
             outputs.append(SequenceOutput(s.seq_id, toks, None if lps[0] is None else lps))
         timing.sample_s = time.perf_counter() - t2
         return outputs

@@ -21,6 +21,7 @@ from itertools import chain
 import torch
 
 from scheduler.protocol import SamplingParams, TokenLogprobs
+from workers.structured_output import unpack_bitmask
 
 _MASK64 = (1 << 64) - 1
 # Below this, dividing by the temperature overflows fp32 and the draw is an argmax anyway.
@@ -41,6 +42,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]  # repetition_penalty covers prompt + output
     output_token_ids: Sequence[int]  # presence/frequency penalties, min_tokens, seed position
     sample_index: int = 0  # which child of an n > 1 request: selects its own random stream
+    grammar_mask: torch.Tensor | None = None  # structured output: int32 words, bit set: allowed
 
 
 @dataclass
@@ -145,7 +147,8 @@ class Sampler:
         return logits[_index(which, logits.device)], [rows[i] for i in which]
 
     def _penalize(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """min_tokens bans, then repetition / presence / frequency penalties; copies if any."""
+        """Grammar masks, min_tokens bans, then repetition / presence / frequency penalties;
+        copies if any (the raw logits stay for logprobs)."""
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for i, r in enumerate(rows):
@@ -156,9 +159,18 @@ class Sampler:
                 ban_rows.extend([i] * len(banned))
                 ban_ids.extend(banned)
         pen = [i for i, r in enumerate(rows) if r.params.needs_penalties]
-        if not ban_ids and not pen:
+        masked = [i for i, r in enumerate(rows) if r.grammar_mask is not None]
+        if not ban_ids and not pen and not masked:
             return logits
         logits = logits.clone()
+        if masked:
+            words = torch.stack([rows[i].grammar_mask for i in masked])
+            banned = unpack_bitmask(words, logits.shape[1]).logical_not_().to(logits.device)
+            if len(masked) == len(rows):
+                logits.masked_fill_(banned, -torch.inf)
+            else:
+                idx = _index(masked, logits.device)
+                logits[idx] = logits[idx].masked_fill_(banned, -torch.inf)
         if ban_ids:
             logits[_index(ban_rows, logits.device), _index(ban_ids, logits.device)] = -torch.inf
         if pen:

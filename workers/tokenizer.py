@@ -101,6 +101,10 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
+    def to_json_str(self) -> str:
+        """The backend as ``tokenizer.json`` text (what grammar libraries read)."""
+        return self._backend.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

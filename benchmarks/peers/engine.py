@@ -83,26 +83,31 @@ def step_split(records: Iterable[StepRecord]) -> dict[str, float | int]:
 
 def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None,
         enable_prefix_caching: bool = True, kv_cache_bytes: int | None = None,
-        kv_cache_dtype: str = "auto", roofline: bool = True) -> PeerResult:
+        kv_cache_dtype: str = "auto", roofline: bool = True,
+        json_schema: dict | None = None) -> PeerResult:
     """Run the workload greedily with ``ignore_eos``; ``concurrency`` is max_num_seqs
     (None: the engine's default); ``kv_cache_dtype`` is how the KV pool stores keys and
     values (compute stays fp32). ``roofline=False`` skips timing the linear layers
-    afterwards (a minute at Workload A's sizes), for runs that only need throughput."""
+    afterwards (a minute at Workload A's sizes), for runs that only need throughput.
+    ``json_schema``: every request's output is constrained to it (structured output)."""
     from cluster.llm import LLM
-    from scheduler.protocol import SamplingParams
+    from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
     torch.set_num_threads(NUM_THREADS)
     limits = {"max_num_seqs": concurrency} if concurrency else {}
     llm = LLM(device="cpu", enable_prefix_caching=enable_prefix_caching,
               kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, **limits)
     # Warmup (kernel build and first-call allocations); 8 tokens fill no cacheable block.
-    llm.generate({"prompt_token_ids": prompts[0][:8]},
-                 SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    structured = StructuredOutputsParams(json=json_schema) if json_schema else None
+    llm.generate({"prompt_token_ids": prompts[0][:8]},   # also builds the grammar tokenizer
+                 SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                structured_outputs=structured))
     engine, stats = llm.engine, llm.engine.scheduler.kv.stats
     queried0, hit0 = stats.queried_tokens, stats.hit_tokens
     for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(f"bench-{i}", None, prompt,
-                           SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=limit, ignore_eos=True,
+                                          structured_outputs=structured))
     engine.step_records, peak, output_tokens = [], KVPeak(), 0
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -138,6 +143,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
                                   if SPLIT_BAND[0] <= r.num_seqs <= SPLIT_BAND[1]),
         "step_tokens_histogram": dict(sorted(Counter(r.num_tokens for r in records).items())),
         "roofline_s": roofline_s,
+        "json_schema": json_schema,
         "roofline_fraction": roofline_s / elapsed if roofline_s is not None else None,
     }
     mode = "on" if enable_prefix_caching else "off"

@@ -351,3 +351,21 @@ def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path)
     assert all(r["error"] is None and r["completion_tokens"] > 0 for r in rows)
     assert not parts.exists()
     assert not {"GlobalScheduler", "Worker"} & set(_live_actors(ray_head))
+
+
+def test_structured_outputs_column_constrains_each_row(llm, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    rows = [{"id": "choice", "prompt": "Is water wet?", "structured_outputs":
+             {"choice": ["yes", "no"]}},
+            {"id": "regex", "prompt": "Year:", "structured_outputs": {"regex": "19[0-9]{2}"}},
+            {"id": "json", "prompt": "JSON:", "max_tokens": 24,
+             "structured_outputs": json.dumps({"json": schema})},
+            {"id": "bad", "prompt": "x", "structured_outputs": {"regex": "a(b"}}]
+    out = tmp_path / "out.parquet"
+    _run(llm, _write_jsonl(tmp_path / "in.jsonl", rows), out)
+    got = {r["id"]: r for r in _read(out)}
+    assert got["choice"]["text"] in ("yes", "no")
+    assert re.fullmatch("19[0-9]{2}", got["regex"]["text"])
+    assert json.loads(got["json"]["text"]) in ({"ok": True}, {"ok": False})
+    assert "structured_outputs.regex" in got["bad"]["error"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,27 @@ def test_presets_validate_and_default_yaml_is_the_serving_default():
 def test_serving_config_errors_name_the_field(section, message):
     with pytest.raises(ValueError, match=message.replace("/", ".")):
         config_from_dict(section)
+
+
+def test_model_sampling_defaults_fill_only_the_omitted_fields():
+    req = parse_request(ChatCompletionRequest, {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5})
+    sp = req.sampling_params(8, None, None, {"temperature": 0.2, "top_p": 0.9, "top_k": 20})
+    assert (sp.temperature, sp.top_p, sp.top_k) == (0.2, 0.5, 20)
+    assert req.sampling_params(8, None, None).temperature == 1.0   # OpenAI's default
+
+
+def test_structured_fields_become_one_spec_and_two_are_refused():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_request(ChatCompletionRequest, {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "x", "schema": schema, "strict": True}}})
+    assert json.loads(req.structured_spec().json) == schema
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "p",
+                                            "guided_choice": ["a", "b"]})
+    assert req.structured_spec().choice == ["a", "b"]
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "p", "guided_regex": "a",
+                                            "structured_outputs": {"json_object": True}})
+    with pytest.raises(ValueError, match="guided_regex: sent with structured_outputs"):
+        req.structured_spec()
