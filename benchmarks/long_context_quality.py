@@ -87,7 +87,7 @@ class Regions:
     top_k_percent: float = 0.2
     dense_boundary: int = 1024
     offload_boundary: int = 1024  # the offload variant's; the sparse one's is past the window
-    summary: str = "minmax"       # how middle blocks are scored (kvcache.long_context)
+    summary: str = "hybrid"       # how middle blocks are scored (kvcache.long_context)
 
 
 def engine_config(variant: str, regions: Regions, *, model: str | None = None,

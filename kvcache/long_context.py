@@ -89,7 +89,7 @@ class LongContextConfig:
     host_kv_bytes: int | None = None
     retrieval_block_size: int = 128
     reselect_every: int = 1
-    summary: str = "minmax"
+    summary: str = "hybrid"
 
     DEFAULT_HOST_KV_BYTES = 4 << 30
 
