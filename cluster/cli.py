@@ -121,6 +121,8 @@ BENCHMARKS = {
                          "the project) on the default model's tokenizer: compile, mask cost"),
     "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
+    "long-context-oracle": ("long_context_oracle", "teacher-forced agreement with the oracle's "
+                            "block selection: the ceiling any summary can reach"),
 }
 
 

@@ -1,0 +1,126 @@
+"""How far selection alone can take teacher-forced agreement: the oracle's ceiling.
+
+The end-quality benchmark (``long_context_quality``) measures how often sparse decode
+steps pick dense's next token. This one asks what any block summary could reach at the
+same budget: it runs the same forced windows with the sparse variant's selection replaced
+by the oracle's, the k middle blocks holding the most true attention mass (softmax of
+the real keys, summed over the GQA group's query heads), read from the device pool. The
+oracle needs every key on the device, so it runs in sparse mode; the rest of the step
+(tables, attention op) is the engine's own.
+
+    python -m cluster bench long-context-oracle [--top-k-percent 0.2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.long_context_quality import (
+    AGREEMENT_TARGET,
+    Regions,
+    engine_config,
+    forced_figures,
+    run_forced,
+    window_starts,
+)
+from benchmarks.long_context_recall import read_text
+from benchmarks.peers.common import NUM_THREADS
+from cluster.llm import LLM
+from workers.ops.base import AttentionMetadata
+from workers.sparse_attention import SparseStep
+
+
+def oracle_blocks(q: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+    """[KVH, k] ascending indices of the middle blocks ``keys`` [M, T, KVH, D] that hold the
+    most attention mass of the query heads ``q`` [H, D], summed over each GQA group."""
+    m, _, kvh, d = keys.shape
+    logits = torch.einsum("hgd,mthd->hgmt", q.float().view(kvh, -1, d), keys.float())
+    mass = torch.softmax(logits.flatten(2) / math.sqrt(d), -1).view_as(logits).sum((1, 3))
+    return mass.topk(min(k, m), dim=1).indices.sort(dim=1).values
+
+
+def _oracle_decode_meta(self: SparseStep, layer: int, q: torch.Tensor,
+                        kv_cache: torch.Tensor) -> AttentionMetadata:
+    """``SparseStep.decode_meta`` with the oracle's choice in every sparse row."""
+    tables = self.meta.decode_head_tables
+    for sr in self.rows:
+        m, r = sr.middle.shape
+        keys = kv_cache[0][sr.middle.flatten()]                  # [M*r, bs, KVH, D]
+        keys = keys.reshape(m, -1, *keys.shape[2:])
+        picked = sr.middle[oracle_blocks(q[sr.row], keys, sr.top_k)].flatten(1)
+        tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
+    return self.meta
+
+
+@contextmanager
+def oracle_selection() -> Iterator[None]:
+    """Sparse steps select by the oracle while inside."""
+    saved = SparseStep.decode_meta
+    SparseStep.decode_meta = _oracle_decode_meta
+    try:
+        yield
+    finally:
+        SparseStep.decode_meta = saved
+
+
+def main(argv: Sequence[str] | None = None,
+         prog: str = "python -m benchmarks.long_context_oracle") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8000, help="tokens of the text to force")
+    p.add_argument("--prefill", type=int, default=2000, help="the first window's prompt")
+    p.add_argument("--windows", type=int, default=4, help="forced windows")
+    p.add_argument("--steps", type=int, default=100, help="forced decode steps per window")
+    p.add_argument("--top-k-percent", type=float, default=Regions.top_k_percent,
+                   help="share of the middle blocks attended (default: %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
+    args = p.parse_args(argv)
+    torch.set_num_threads(NUM_THREADS)
+    regions = Regions(top_k_percent=args.top_k_percent)
+    body, source = read_text(None)
+    starts = window_starts(args.prefill, args.tokens, args.steps, args.windows)
+    runs = {}
+    for name in ("dense", "summary", "oracle"):
+        llm = LLM(config=engine_config("dense" if name == "dense" else "sparse", regions))
+        try:
+            text = llm.get_tokenizer().encode(body)[:args.tokens]
+            if name == "oracle":
+                with oracle_selection():
+                    runs[name] = run_forced(llm, text, starts, args.steps, keep_logits=True)
+            else:
+                runs[name] = run_forced(llm, text, starts, args.steps, keep_logits=True)
+        finally:
+            llm.shutdown()
+            del llm
+            gc.collect()
+        print(f"  {name}: {len(runs[name])} forced rows", flush=True)
+    figs = {n: forced_figures(runs["dense"], runs[n]) for n in ("summary", "oracle")}
+    print(f"text: {source}; windows at {starts}, {args.steps} steps each; "
+          f"{regions.top_k_percent:.0%} of the middle, summary {regions.summary!r}")
+    print("| selection | agreement with dense | differ | KL mean / max | NLL (dense) |")
+    print("|---|---|---|---|---|")
+    for n, f in figs.items():
+        print(f"| {n} | {f['agreement']:.4f} | {f['disagreements']} | "
+              f"{f['kl_from_dense_mean']:.4f} / {f['kl_from_dense_max']:.3f} | "
+              f"{f['nll']:.3f} ({f['dense_nll']:.3f}) |")
+    ceiling = figs["oracle"]["agreement"]
+    print(f"oracle ceiling {ceiling:.4f}: "
+          f"{'reaches' if ceiling >= AGREEMENT_TARGET else 'misses'} the "
+          f"{AGREEMENT_TARGET} target")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"argv": list(argv or []), "starts": starts,
+                                               "regions": asdict(regions), "forced": figs},
+                                              indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
