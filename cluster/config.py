@@ -21,7 +21,7 @@ import yaml
 from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
-from workers.device import DEVICES
+from workers.device import DEVICES, default_block_size
 from workers.ops import OPS_BACKENDS
 from workers.worker import ROLES
 
@@ -184,9 +184,14 @@ class EngineConfig:
         if not self.long_context.enabled:
             return
         try:
-            self.long_context.check_block_size(self.cache.block_size)
+            self.long_context.check_block_size(self.block_size)
         except ValueError as e:
             raise ConfigError(f"long_context.{e}") from e
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size: the configured one, else the model device's default."""
+        return self.cache.block_size or default_block_size(self.model.device)
 
 
 def with_overrides(config: EngineConfig, overrides: dict[tuple[str, str], Any]) -> EngineConfig:

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from kvcache.config import CacheConfig
-from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
+from kvcache.kv_layout import LAYOUT_ND
+from kvcache.kv_tensors import KVShape, slot_mapping
 from kvcache.long_context import LongContextConfig
 from scheduler.protocol import (
     ForkedSequence,
@@ -29,6 +30,7 @@ from scheduler.protocol import (
     TierChange,
     WorkerStats,
 )
+from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import Checkpoint
 from workers.models.decoder import DecoderLM
 from workers.ops import get_ops
@@ -67,16 +69,19 @@ class ModelRunner:
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
-        self.block_size = cache.block_size
+        self.block_size = cache.block_size or DEFAULT_BLOCK_SIZE[device.type]
         self.ops = get_ops(device, ops)
+        if self.ops.kv_layout != LAYOUT_ND and long_context is not None and long_context.enabled:
+            raise ValueError(f"long_context: the {self.ops.kv_layout.upper()} KV layout of this "
+                             "device has no sparse attention; disable long_context")
         self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
-        self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
-                                cfg.head_dim, kv_dtype)
+        self.kv_shape = KVShape(cfg.num_layers, self.block_size, cfg.num_kv_heads,
+                                cfg.head_dim, kv_dtype, self.ops.kv_layout)
         if num_blocks is None:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device)
+        self.kv_caches = self.ops.allocate_kv(self.kv_shape, num_blocks, device)
         self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
                              if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)

@@ -71,7 +71,7 @@ class Worker:
         if ckpt.tokenizer is not None:
             eos |= set(ckpt.tokenizer.eos_token_ids)
         lc = self.runner.long_context
-        self.info_ = WorkerInfo(self.runner.num_blocks, spec.cache.block_size, model_max,
+        self.info_ = WorkerInfo(self.runner.num_blocks, self.runner.block_size, model_max,
                                 ckpt.fingerprint, sorted(eos), lc.host.num_blocks if lc else 0)
 
     def info(self) -> WorkerInfo:
