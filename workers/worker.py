@@ -16,10 +16,17 @@ import pyarrow as pa
 import torch
 
 from kvcache.config import CacheConfig
-from kvcache.kv_transfer import HostRows, KVLayoutMeta, export_blocks, import_blocks
+from kvcache.kv_transfer import (
+    HostRows,
+    ImportedBlocks,
+    KVLayoutMeta,
+    export_blocks,
+    import_blocks,
+)
 from kvcache.long_context import LongContextConfig
 from scheduler.protocol import StepPlan, decode, encode
 from workers.device import resolve_device
+from workers.kv_streams import transfer_streams
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
 
@@ -70,6 +77,7 @@ class Worker:
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:
             eos |= set(ckpt.tokenizer.eos_token_ids)
+        self.streams = transfer_streams(self.runner.device)
         lc = self.runner.long_context
         self.info_ = WorkerInfo(self.runner.num_blocks, self.runner.block_size, model_max,
                                 ckpt.fingerprint, sorted(eos), lc.host.num_blocks if lc else 0)
@@ -79,7 +87,10 @@ class Worker:
 
     def step(self, plan: bytes) -> bytes:
         """Run one step plan (msgpack ``StepPlan``); returns the msgpack ``StepOutput``."""
-        return encode(self.runner.execute(decode(StepPlan, plan)))
+        step = decode(StepPlan, plan)
+        if self.streams is not None:  # sequences arrive by import as new ones
+            self.streams.before_step(b for s in step.new for b in s.block_ids)
+        return encode(self.runner.execute(step))
 
     def export_kv(self, block_ids: list[int], block_hashes: list[bytes | None],
                   token_counts: list[int]) -> tuple[int, pa.RecordBatch]:
@@ -87,8 +98,12 @@ class Worker:
         the scheduler learns the export is done without fetching the batch."""
         lc = self.runner.long_context
         summaries = lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1) if lc else None
-        batch = export_blocks(self.runner.kv_caches, block_ids, block_hashes, token_counts,
-                              self.meta, summaries)
+
+        def copy() -> pa.RecordBatch:
+            return export_blocks(self.runner.kv_caches, block_ids, block_hashes, token_counts,
+                                 self.meta, summaries)
+
+        batch = copy() if self.streams is None else self.streams.export(copy)
         return batch.nbytes, batch
 
     def import_kv(self, batch: pa.RecordBatch, block_ids: list[int], host_first_row: int = 0,
@@ -106,8 +121,14 @@ class Worker:
                 raise ValueError("host_block_ids: this worker has no host tier "
                                  "(long_context is disabled)")
             host = HostRows(host_first_row, host_block_ids, lc.host.kv)
-        imported = import_blocks(batch, self.runner.kv_caches, block_ids, self.meta, host)
+
+        def copy() -> ImportedBlocks:
+            return import_blocks(batch, self.runner.kv_caches, block_ids, self.meta, host)
+
+        imported = copy() if self.streams is None else self.streams.import_(copy, block_ids)
         if lc is not None:
+            if self.streams is not None:  # the summaries read the imported blocks
+                self.streams.before_step(block_ids)
             lc.receive(self.runner.kv_caches, imported, host)
         return batch.nbytes
 

@@ -335,13 +335,16 @@ def make_npu_namespace(state: FakeNpuState) -> types.SimpleNamespace:
         Event=lambda: FakeEvent(state),
         stream=stream,
         current_stream=lambda device=None: current[-1],
+        manual_seed_all=lambda seed: None,   # torch.manual_seed seeds every backend
+        _is_in_bad_fork=lambda: False,
     )
 
 
 def install(monkeypatch, soc: str = "Ascend910B3", free_bytes: int = 8 << 20,
             total_bytes: int = 16 << 20, without: tuple[str, ...] = ()) -> FakeNpuState:
     """Make ``import torch_npu`` and ``torch.npu`` the fakes for one test; ``without``
-    removes ops (an older torch_npu release)."""
+    removes ops (an older torch_npu release). Build tiny HF models first: transformers'
+    accelerate probes for torch_npu when first imported."""
     state = FakeNpuState(soc, free_bytes, total_bytes)
     module = make_module(state)
     for name in without:
