@@ -181,3 +181,49 @@ def test_greedy_text_on_the_npu_path_equals_the_cpu_path(fake_npu, tiny_factory,
     assert {"_npu_reshape_and_cache", "_npu_paged_attention"} <= names
     assert ("_npu_paged_attention_splitfuse" if layout == LAYOUT_NZ
             else "npu_fused_infer_attention_score") in names
+
+
+def test_handoff_from_an_nd_worker_to_a_310p_worker_and_back(fake_npu, tiny_factory):
+    """A CPU (ND) prefill worker hands a sequence to a 310P (NZ) decode worker, which
+    continues it exactly, and hands it back bit-exactly."""
+    from kvcache.config import CacheConfig
+    from scheduler.protocol import (
+        ContinuedSequence,
+        NewSequence,
+        StepOutput,
+        StepPlan,
+        decode,
+        encode,
+    )
+    from workers.worker import Worker, WorkerSpec
+
+    path = tiny_factory("llama").path
+
+    def worker(ops: str) -> Worker:
+        cache = CacheConfig(block_size=16, kv_cache_bytes=1 << 20)
+        return Worker(WorkerSpec(path, None, "float32", "cpu", 0, ops, cache, None, 1), "mixed")
+
+    def step(w: Worker, plan: StepPlan) -> list[int]:
+        return [t for o in decode(StepOutput, w.step(encode(plan))).outputs for t in o.token_ids]
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = list(range(5, 45))
+    nd = worker("torch")
+    fake_npu(soc="Ascend310P3")
+    nz = worker("npu")
+    assert nz.meta.layout == LAYOUT_NZ and nd.meta.layout == LAYOUT_ND
+    first = step(nd, StepPlan(0, new=[NewSequence("s", prompt, 40, 0, [0, 1, 2], 40, greedy)]))
+    _, batch = nd.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
+    nz.import_kv(batch, [7, 3, 9])
+    here = step(nd, StepPlan(1, continued=[ContinuedSequence("s", [], 1)]))
+    there = step(nz, StepPlan(0, new=[NewSequence("s", prompt + first, 40, 40, [7, 3, 9], 1,
+                                                   greedy)]))
+    assert here == there
+    before = [kv[:, [0, 1, 2]].clone() for kv in nd.runner.kv_caches]
+    for kv in nd.runner.kv_caches:
+        kv.zero_()
+    _, back = nz.export_kv([7, 3, 9], [None] * 3, [16, 16, 8])
+    nd.import_kv(back, [0, 1, 2])
+    for kv, want in zip(nd.runner.kv_caches, before):
+        assert torch.equal(kv[:, [0, 1, 2]][:, :2], want[:, :2])   # full blocks
+        assert torch.equal(kv[:, 2, :8], want[:, 2, :8])            # the written part
