@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.test_npu_backend import D, H, KVH, scatter_sequences
+from tests.workers.test_npu_backend import KVH, D, H, scatter_sequences
 from workers.ops import AttentionMetadata, PrefillSegment, TorchOps, get_ops
 from workers.ops.cuda import CudaOps
 
