@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ from scheduler.protocol import (
     TierChange,
     WorkerStats,
 )
+from workers.decode_graphs import CUDA_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
 from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import Checkpoint
 from workers.models.decoder import DecoderLM
@@ -65,7 +67,12 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache: CacheConfig, device: torch.device,
                  max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
                  num_blocks: int | None = None, ops: str = "auto",
-                 long_context: LongContextConfig | None = None) -> None:
+                 long_context: LongContextConfig | None = None,
+                 decode_graph_sizes: Sequence[int] | None = None,
+                 graph_capture: Capture | None = None) -> None:
+        """``decode_graph_sizes``: batch sizes whose decode-only steps replay a captured
+        graph (None: ``CUDA_GRAPH_SIZES`` on CUDA, none elsewhere); ``graph_capture``
+        records one (None: ``cuda_capture``)."""
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
@@ -81,10 +88,21 @@ class ModelRunner:
         if num_blocks is None:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks
-        self.kv_caches = self.ops.allocate_kv(self.kv_shape, num_blocks, device)
+        if decode_graph_sizes is None:
+            decode_graph_sizes = CUDA_GRAPH_SIZES if device.type == "cuda" else ()
+        # Graphs' padding rows write into one extra block, never given to the scheduler.
+        self.kv_caches = self.ops.allocate_kv(self.kv_shape,
+                                              num_blocks + (1 if decode_graph_sizes else 0),
+                                              device)
         self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
                              if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
+        self.graphs = None
+        if decode_graph_sizes and self.long_context is None:
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_caches, meta),
+                decode_graph_sizes, num_blocks, self.block_size,
+                -(-max_model_len // self.block_size), device, graph_capture or cuda_capture())
         self.seqs: dict[str, SeqState] = {}
 
     # ---- plan application --------------------------------------------------------
@@ -168,8 +186,13 @@ class ModelRunner:
                   s.state.num_computed_tokens + s.num_tokens) for s in scheduled],
                 [(s.state.tier, s.state.block_ids, s.state.num_computed_tokens + 1)
                  for s in scheduled[:nd]], inputs.meta)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.meta, sparse)
+        meta = inputs.meta
+        if (self.graphs is not None and meta.num_decode_tokens == len(scheduled)
+                and self.graphs.fits(len(scheduled), meta.decode_block_tables.shape[1])):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                        meta, sparse)
         done = [i for i, s in enumerate(scheduled)
                 if s.state.num_computed_tokens + s.num_tokens == len(s.state.token_ids)]
         for s in scheduled:
