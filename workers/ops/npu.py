@@ -98,12 +98,17 @@ class NpuOps(TorchOps):
                 query=q[:nd].contiguous(), key_cache=kv_cache[0], value_cache=kv_cache[1],
                 num_kv_heads=k.shape[1], num_heads=q.shape[1], scale_value=scale,
                 block_table=meta.decode_block_tables.to(torch.int32),
-                context_lens=meta.decode_seq_lens.to(device="cpu", dtype=torch.int32),
-                out=out[:nd])
+                context_lens=self._lens(meta.decode_seq_lens, q.device), out=out[:nd])
         if meta.prefills:
             prefill = self._prefill_nz if self.kv_layout == LAYOUT_NZ else self._prefill_nd
             out[nd:] = prefill(q[nd:].contiguous(), k.shape[1], kv_cache, meta, scale)
         return out
+
+    def _lens(self, lens: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Context lengths, int32, where the kernel reads them: on the host for 910's
+        paged attention, on the device for 310P's (as vllm-ascend passes them)."""
+        return lens.to(device="cpu" if self.kv_layout == LAYOUT_ND else device,
+                       dtype=torch.int32)
 
     def _tables(self, meta: AttentionMetadata) -> torch.Tensor:
         """The prefill segments' block tables, padded to one width, int32."""
@@ -146,6 +151,7 @@ class NpuOps(TorchOps):
             query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], mask=mask,
             block_table=self._tables(meta),
             seq_len=torch.tensor([s.query_len for s in meta.prefills], dtype=torch.int32),
-            context_lens=torch.tensor([s.context_len for s in meta.prefills], dtype=torch.int32),
+            context_lens=self._lens(torch.tensor([s.context_len for s in meta.prefills]),
+                                    q.device),
             num_kv_heads=num_kv_heads, num_heads=q.shape[1], scale_value=scale, out=out)
         return out
