@@ -23,6 +23,7 @@ import torch
 from benchmarks.peers.common import NUM_THREADS
 from benchmarks.roofline import linear_layers_time, lm_head_time
 from kvcache.config import CacheConfig
+from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
 from workers.ops.base import AttentionMetadata
@@ -77,7 +78,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
     args = p.parse_args(argv)
     torch.set_num_threads(NUM_THREADS)
     checkpoint = load_checkpoint(None)
-    block_size = CacheConfig().block_size
+    block_size = DEFAULT_BLOCK_SIZE["cpu"]
     num_blocks = max(args.batch) * -(-max(args.context) // block_size)
     print("| ops | KV dtype | batch | context | step ms | attention ms | other ms | "
           "linear ms | linear ÷ step |\n|---|---|---|---|---|---|---|---|---|")

@@ -36,9 +36,9 @@ import torch
 
 from benchmarks.peers.common import NUM_THREADS
 from kvcache.block_summary import ExactSelector, combine, summarize
-from kvcache.config import CacheConfig
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.long_context import SUMMARY_KINDS, LongContextConfig
+from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import Checkpoint, load_checkpoint
 from workers.models.decoder import DecoderLM
 from workers.ops.base import AttentionMetadata, PrefillSegment
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None,
     config = LongContextConfig(enabled=True, initial_tokens=args.initial,
                                local_tokens=args.local, retrieval_block_size=args.retrieval_block,
                                top_k_percent=args.top_k_percent, dense_boundary=positions[0] + 1)
-    block_size = CacheConfig().block_size
+    block_size = DEFAULT_BLOCK_SIZE["cpu"]
     first, last = config.layout(positions[0] + 1), config.layout(positions[-1] + 1)
     print(f"text: {source}\nmodel: {checkpoint.path}\n{len(ids)} tokens; {len(positions)} "
           f"decode steps at contexts {positions[0] + 1}..{positions[-1] + 1}; "

@@ -277,7 +277,12 @@ class ClusterEngine(ClusterClient):
         if len(fingerprints) != 1:
             raise RuntimeError(f"workers loaded different models ({sorted(fingerprints)}); "
                                "every worker must see the same checkpoint files")
-        bs, lc = self.config.cache.block_size, self.config.long_context
+        sizes = {i.block_size for i in infos}
+        if len(sizes) != 1:
+            raise RuntimeError(f"workers chose different KV block sizes ({sorted(sizes)}): "
+                               "their devices' defaults differ; set cache.block_size")
+        bs, lc = sizes.pop(), self.config.long_context
+        self.block_size = bs
         self.max_model_len = resolve_max_model_len(
             self.config.scheduler.max_model_len, infos[0].model_max_len,
             min(i.num_blocks for i in infos) * bs,
@@ -296,7 +301,7 @@ class ClusterEngine(ClusterClient):
             return ray.remote(GlobalScheduler).options(
                 name=name, namespace=NAMESPACE, lifetime="detached",
                 num_cpus=0, max_concurrency=10_000).remote(
-                refs, cfg.scheduler, cfg.cache.block_size, cfg.cache.enable_prefix_caching,
+                refs, cfg.scheduler, self.block_size, cfg.cache.enable_prefix_caching,
                 self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
                 cc.max_waiting, cc.transfer_timeout_s, cc.max_prefill_queue_tokens,
                 cfg.long_context)
@@ -360,13 +365,22 @@ def _remove_stale_scheduler(name: str) -> bool:
 
 def _launch(spec: WorkerSpec, pool: WorkerPoolConfig) -> Any:
     """One worker actor with the pool's resources and torch threads."""
+    return ray.remote(Worker).options(**worker_options(pool, spec.device)).remote(
+        dataclasses.replace(spec, num_threads=pool.threads), pool.role)
+
+
+def worker_options(pool: WorkerPoolConfig, device: str) -> dict[str, Any]:
+    """Ray actor options for one worker of ``pool``. A worker on ``device: npu`` holds one
+    NPU (``{"NPU": 1}`` unless the pool names another amount): Ray then places it on a
+    node with a free NPU and sets ``ASCEND_RT_VISIBLE_DEVICES`` to it."""
     resources = dict(pool.resources)
+    if device == "npu":
+        resources.setdefault("NPU", 1.0)
     options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0),
                                "num_gpus": resources.pop("GPU", 0), "max_restarts": 0}
     if resources:
         options["resources"] = resources
-    return ray.remote(Worker).options(**options).remote(
-        dataclasses.replace(spec, num_threads=pool.threads), pool.role)
+    return options
 
 
 _background: set[asyncio.Task] = set()

@@ -24,7 +24,7 @@ from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
 from scheduler.protocol import SamplingParams
-from workers.device import DEVICES
+from workers.device import DEVICES, default_block_size
 from workers.loading.generation_defaults import (
     SAMPLING_DEFAULT_FIELDS,
     resolve_sampling_defaults,
@@ -213,9 +213,14 @@ class EngineConfig:
         if not self.long_context.enabled:
             return
         try:
-            self.long_context.check_block_size(self.cache.block_size)
+            self.long_context.check_block_size(self.block_size)
         except ValueError as e:
             raise ConfigError(f"long_context.{e}") from e
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size: the configured one, else the model device's default."""
+        return self.cache.block_size or default_block_size(self.model.device)
 
 
 def sampling_defaults(config: EngineConfig) -> dict[str, float | int]:

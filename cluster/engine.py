@@ -112,7 +112,7 @@ class LocalEngine:
                              dtype=dtype, seed=mc.seed, ops=mc.ops,
                              long_context=config.long_context)
         self.runner = runner
-        kv = KVCacheManager(runner.num_blocks, config.cache.block_size,
+        kv = KVCacheManager(runner.num_blocks, runner.block_size,
                             config.cache.enable_prefix_caching)
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:
@@ -120,7 +120,7 @@ class LocalEngine:
         tiers = (TierPlanner(config.long_context, kv, runner.long_context.host.num_blocks)
                  if runner.long_context is not None else None)
         self.max_model_len = resolve_max_model_len(
-            config.scheduler.max_model_len, model_max, runner.num_blocks * config.cache.block_size,
+            config.scheduler.max_model_len, model_max, runner.num_blocks * runner.block_size,
             tiers.longest_context if tiers else None)
         self.scheduler = BatchScheduler(config.scheduler, kv, self.max_model_len, sorted(eos),
                                         tiers)

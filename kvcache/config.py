@@ -13,9 +13,11 @@ class CacheConfig:
 
     ``kv_cache_bytes`` is the pool's budget; when None, CPU workers take
     ``DEFAULT_CPU_KV_BYTES`` and accelerators ``memory_fraction`` of free memory.
+    ``block_size`` None is the device's own (16; 128 on Ascend NPUs, whose paged-attention
+    kernels are built for it).
     """
 
-    block_size: int = 16
+    block_size: int | None = None
     kv_cache_bytes: int | None = None
     memory_fraction: float = 0.9
     kv_dtype: str = "auto"
@@ -24,7 +26,8 @@ class CacheConfig:
     DEFAULT_CPU_KV_BYTES = 2 << 30
 
     def __post_init__(self) -> None:
-        if (not isinstance(self.block_size, int) or not 16 <= self.block_size <= 256
+        if self.block_size is not None and (
+                not isinstance(self.block_size, int) or not 16 <= self.block_size <= 256
                 or self.block_size % 16):
             raise ValueError(f"block_size: got {self.block_size!r}; "
                              "allowed: a multiple of 16 from 16 to 256")

@@ -1,4 +1,4 @@
-"""Preallocated KV memory of one pool, in the ND layout.
+"""Preallocated KV memory of one pool, in the ND layout (or NZ, see ``kv_layout``).
 
 One tensor per layer, ``(2, num_blocks, block_size, kv_heads, head_dim)``: index 0
 holds keys and 1 values, so a block's K and V of a layer are two contiguous slabs
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvcache.kv_layout import LAYOUT_ND, block_shape
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -22,11 +24,18 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    layout: str = LAYOUT_ND
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's K (or V) of one layer in this pool's layout."""
+        return block_shape(self.layout, self.block_size, self.num_kv_heads, self.head_dim,
+                           self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * int(np.prod(self.block_shape)) * elem
 
     def num_blocks_for(self, budget_bytes: int) -> int:
         n = budget_bytes // self.bytes_per_block
@@ -37,7 +46,7 @@ class KVShape:
         return int(n)
 
     def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (2, num_blocks, *self.block_shape)
 
 
 def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device,

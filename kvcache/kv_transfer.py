@@ -8,7 +8,10 @@ included, arrives bit for bit. A sender with long contexts on adds ``summary``, 
 block's key summaries of every layer (``kvcache.block_summary``, fp32), so the receiver
 need not recompute them. The schema metadata names the layout and a checksum;
 the receiver checks all of it before it writes a byte into its pool, because a
-mismatched block is silently wrong attention rather than an error.
+mismatched block is silently wrong attention rather than an error. Blocks travel in the
+sender's KV layout (ND, or NZ from a 310P pool: ``kv_layout``); a receiver whose pool has
+the other layout converts them on import, bit-exactly, so 910/CPU and 310P workers
+hand sequences to each other.
 
 Copies: export gathers the blocks into one reused host buffer that Arrow wraps as is;
 import reads the tensor column in place (from the Ray object store or an IPC buffer) and
@@ -19,6 +22,7 @@ on torch's threads and move 16-byte words where the slab size allows.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import sys
@@ -31,10 +35,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from kvcache.kv_layout import LAYOUTS, block_shape, convert_blocks
 from kvcache.kv_tensors import KVShape
 
 FORMAT_VERSION = "2"   # 2: checksum over chunk sums (1: CRC-32)
-LAYOUT_ND = "nd"
 _CHECKSUM_CHUNK = 64 << 10   # bytes per summed chunk; a multiple of 8
 
 # dtype name -> (pool dtype, Arrow type of the values that carry its bits)
@@ -67,12 +71,18 @@ class KVLayoutMeta:
     def from_shape(cls, shape: KVShape, fingerprint: str) -> KVLayoutMeta:
         if shape.dtype not in _DTYPE_NAMES:
             raise ValueError(f"kv dtype: got {shape.dtype}; allowed: {', '.join(_WIRE)}")
-        return cls(fingerprint, _DTYPE_NAMES[shape.dtype], LAYOUT_ND, shape.block_size,
+        return cls(fingerprint, _DTYPE_NAMES[shape.dtype], shape.layout, shape.block_size,
                    shape.num_layers, shape.num_kv_heads, shape.head_dim)
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+    def layer_block_shape(self) -> tuple[int, ...]:
+        """One block's K (or V) of one layer, in this layout."""
+        return block_shape(self.layout, self.block_size, self.num_kv_heads, self.head_dim,
+                           _WIRE[self.dtype][0])
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return (self.num_layers, 2, *self.layer_block_shape)
 
     def columns(self) -> list[tuple[str, pa.DataType]]:
         kv_type = pa.fixed_shape_tensor(_WIRE[self.dtype][1], self.block_shape)
@@ -178,16 +188,21 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     """Write the batch's blocks into ``dst_block_ids`` of this pool, row by row, except
     the ``host`` rows, which go to host-tier blocks.
 
-    Everything is checked first; on any KVTransferError the pool is untouched.
+    Everything is checked first; on any KVTransferError the pool is untouched. A batch
+    in the other KV layout is converted (``kv_layout.convert_blocks``) before the scatter.
     """
     _check_pool(kv_caches, expected_meta)
     received = batch.schema.metadata or {}
-    check_metadata(received, expected_meta)
+    # Either layout is accepted (and converted); anything else fails the check.
+    sent_layout = received.get(b"layout", b"").decode(errors="replace")
+    sender_meta = (dataclasses.replace(expected_meta, layout=sent_layout)
+                   if sent_layout in LAYOUTS else expected_meta)
+    check_metadata(received, sender_meta)
     num_host = len(host.block_ids) if host else 0
     if batch.num_rows != len(dst_block_ids) + num_host:
         raise KVTransferError(f"KV batch rows: received {batch.num_rows}, expected "
                               f"{len(dst_block_ids) + num_host} (one per destination block)")
-    for name, want_type in expected_meta.columns():
+    for name, want_type in sender_meta.columns():
         got_type = batch.schema.field(name).type if name in batch.schema.names else None
         if got_type != want_type:
             raise KVTransferError(f"KV batch column {name}: received type {got_type}, "
@@ -216,7 +231,12 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
 
     pool_dtype = _WIRE[expected_meta.dtype][0]
     src = _read_only_tensor(flat).view(pool_dtype).view(
-        batch.num_rows, expected_meta.num_layers, 2, _block_elems(expected_meta))
+        batch.num_rows, expected_meta.num_layers, 2, _block_elems(sender_meta))
+    if sender_meta.layout != expected_meta.layout:
+        src = convert_blocks(src.view(*src.shape[:3], *sender_meta.layer_block_shape),
+                             sender_meta.layout, expected_meta.layout, expected_meta.block_size,
+                             expected_meta.num_kv_heads, expected_meta.head_dim
+                             ).reshape(*src.shape[:3], _block_elems(expected_meta))
     h0 = host.first_row if host else batch.num_rows
     _scatter(torch.cat((src[:h0], src[h0 + num_host:])) if num_host else src, kv_caches, ids)
     if host:
@@ -276,13 +296,13 @@ def from_ipc_buffer(buf: pa.Buffer | bytes | bytearray | memoryview) -> pa.Recor
 
 
 def _block_elems(meta: KVLayoutMeta) -> int:
-    """Elements of one block's K (or V) in one layer."""
-    return meta.block_size * meta.num_kv_heads * meta.head_dim
+    """Elements of one block's K (or V) in one layer (NZ: padding included)."""
+    return math.prod(meta.layer_block_shape)
 
 
 def _check_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta) -> None:
     """The pool in the caller's hands matches ``meta``: a local bug, not a transfer error."""
-    layer_shape = (2, meta.block_size, meta.num_kv_heads, meta.head_dim)
+    layer_shape = (2, *meta.layer_block_shape)
     for kv in kv_caches:
         if (_DTYPE_NAMES.get(kv.dtype) != meta.dtype or not kv.is_contiguous()
                 or (kv.shape[0], *kv.shape[2:]) != layer_shape

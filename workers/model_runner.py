@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from llguidance import LLMatcher
 
 from kvcache.config import CacheConfig
+from kvcache.kv_layout import LAYOUT_ND
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
 from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import SharedSegment
@@ -31,6 +33,8 @@ from scheduler.protocol import (
     TierChange,
     WorkerStats,
 )
+from workers.decode_graphs import CUDA_GRAPH_SIZES, Capture, DecodeGraphs, cuda_capture
+from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import Checkpoint
 from workers.models.decoder import DecoderLM
 from workers.ops import get_ops
@@ -68,29 +72,50 @@ class ModelRunner:
                  max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
                  num_blocks: int | None = None, ops: str = "auto",
                  long_context: LongContextConfig | None = None,
-                 shared_pool: bool = False) -> None:
+                 shared_pool: bool = False,
+                 decode_graph_sizes: Sequence[int] | None = None,
+                 graph_capture: Capture | None = None) -> None:
+        """``shared_pool``: a host pool lives in a segment peers on this node can map;
+        ``decode_graph_sizes``: batch sizes whose decode-only steps replay a captured
+        graph (None: ``CUDA_GRAPH_SIZES`` on CUDA, none elsewhere); ``graph_capture``
+        records one (None: ``cuda_capture``)."""
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
-        self.block_size = cache.block_size
+        self.block_size = cache.block_size or DEFAULT_BLOCK_SIZE[device.type]
         self.ops = get_ops(device, ops)
+        if self.ops.kv_layout != LAYOUT_ND and long_context is not None and long_context.enabled:
+            raise ValueError(f"long_context: the {self.ops.kv_layout.upper()} KV layout of this "
+                             "device has no sparse attention; disable long_context")
         self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
-        self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
-                                cfg.head_dim, kv_dtype)
+        self.kv_shape = KVShape(cfg.num_layers, self.block_size, cfg.num_kv_heads,
+                                cfg.head_dim, kv_dtype, self.ops.kv_layout)
         if num_blocks is None:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks
-        # A host pool asked to be shared lives in a segment peers on this node can map.
+        if decode_graph_sizes is None:
+            decode_graph_sizes = CUDA_GRAPH_SIZES if device.type == "cuda" else ()
         self.kv_segment = (SharedSegment(num_blocks * self.kv_shape.bytes_per_block)
                            if shared_pool and device.type == "cpu" else None)
-        self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
-                                           self.kv_segment.buffer if self.kv_segment else None)
+        if self.kv_segment is not None:
+            self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
+                                               self.kv_segment.buffer)
+        else:
+            # Graphs' padding rows write into one extra block, never given to the scheduler.
+            self.kv_caches = self.ops.allocate_kv(
+                self.kv_shape, num_blocks + (1 if decode_graph_sizes else 0), device)
         self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
                              if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
         self.tokenizer = checkpoint.tokenizer
         self._structured: StructuredOutputs | None = None  # built at the first constrained request
+        self.graphs = None
+        if decode_graph_sizes and self.long_context is None:
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model.forward(ids, pos, self.kv_caches, meta),
+                decode_graph_sizes, num_blocks, self.block_size,
+                -(-max_model_len // self.block_size), device, graph_capture or cuda_capture())
         self.seqs: dict[str, SeqState] = {}
 
     # ---- plan application --------------------------------------------------------
@@ -197,8 +222,13 @@ class ModelRunner:
                   s.state.num_computed_tokens + s.num_tokens) for s in scheduled],
                 [(s.state.tier, s.state.block_ids, s.state.num_computed_tokens + 1)
                  for s in scheduled[:nd]], inputs.meta)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.meta, sparse)
+        meta = inputs.meta
+        if (self.graphs is not None and meta.num_decode_tokens == len(scheduled)
+                and self.graphs.fits(len(scheduled), meta.decode_block_tables.shape[1])):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                        meta, sparse)
         for s in scheduled:
             s.state.num_computed_tokens += s.num_tokens
         if not done:

@@ -35,6 +35,7 @@ from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import PeerSegments
 from scheduler.protocol import StepPlan, decode, encode
 from workers.device import resolve_device
+from workers.kv_streams import transfer_streams
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
 
@@ -89,12 +90,13 @@ class Worker:
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:
             eos |= set(ckpt.tokenizer.eos_token_ids)
+        self.streams = transfer_streams(self.runner.device)
         lc = self.runner.long_context
         segment = self.runner.kv_segment
         self.peers = PeerSegments()
         place = WorkerPlace(node_id or _node_id(), self.runner.kv_shape.bytes_per_block,
                             segment.handle if segment else None)
-        self.info_ = WorkerInfo(self.runner.num_blocks, spec.cache.block_size, model_max,
+        self.info_ = WorkerInfo(self.runner.num_blocks, self.runner.block_size, model_max,
                                 ckpt.fingerprint, sorted(eos), lc.host.num_blocks if lc else 0,
                                 place)
 
@@ -103,7 +105,10 @@ class Worker:
 
     def step(self, plan: bytes) -> bytes:
         """Run one step plan (msgpack ``StepPlan``); returns the msgpack ``StepOutput``."""
-        return encode(self.runner.execute(decode(StepPlan, plan)))
+        step = decode(StepPlan, plan)
+        if self.streams is not None:  # sequences arrive by import as new ones
+            self.streams.before_step(b for s in step.new for b in s.block_ids)
+        return encode(self.runner.execute(step))
 
     def export_kv(self, block_ids: list[int], block_hashes: list[bytes | None],
                   token_counts: list[int], plan: HandoffPlan | None = None
@@ -124,9 +129,13 @@ class Worker:
                                      token_counts, self.meta, self.runner.kv_segment.handle,
                                      summaries)]
         else:
-            batches = [export_blocks(self.runner.kv_caches, block_ids[a:b], block_hashes[a:b],
+            def copy(a: int, b: int) -> pa.RecordBatch:
+                return export_blocks(self.runner.kv_caches, block_ids[a:b], block_hashes[a:b],
                                      token_counts[a:b], self.meta,
                                      None if summaries is None else summaries[a:b])
+
+            batches = [copy(a, b) if self.streams is None
+                       else self.streams.export(lambda a=a, b=b: copy(a, b))
                        for a, b in part_bounds(len(block_ids), plan.parts)]
         return (HandoffInfo(plan.transport, nbytes), *batches)
 
@@ -159,9 +168,15 @@ class Worker:
             if is_shared(part):
                 imported.append(import_shared(part, self.runner.kv_caches, ids, self.meta,
                                               self.peers, host))
-            else:
+            elif self.streams is None:
                 imported.append(import_blocks(part, self.runner.kv_caches, ids, self.meta, host))
+            else:
+                imported.append(self.streams.import_(
+                    lambda part=part, ids=ids, host=host: import_blocks(
+                        part, self.runner.kv_caches, ids, self.meta, host), ids))
         if lc is not None:
+            if self.streams is not None:  # the summaries read the imported blocks
+                self.streams.before_step(block_ids)
             whole = HostRows(host_first_row, host_ids, lc.host.kv) if host_ids else None
             lc.receive(self.runner.kv_caches, ImportedBlocks.join(imported), whole)
         return first * self.runner.kv_shape.bytes_per_block

@@ -119,7 +119,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
                                   ((r.num_tokens, r.num_sampled) for r in records)) \
         if roofline else None
     queried, hits = stats.queried_tokens - queried0, stats.hit_tokens - hit0
-    runner, block_size = engine.runner, llm.config.cache.block_size
+    runner, block_size = engine.runner, engine.runner.block_size
     kv_bytes_per_token = runner.kv_shape.bytes_per_block // block_size
     extra = {
         "enable_prefix_caching": enable_prefix_caching,

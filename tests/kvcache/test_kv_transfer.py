@@ -150,7 +150,6 @@ def test_ipc_read_is_zero_copy():
 MISMATCHES = {
     "fingerprint": {"fingerprint": "f" * 32},
     "dtype": {"dtype": "float32"},
-    "layout": {"layout": "nz"},
     "block_size": {"block_size": 32},
     "num_layers": {"num_layers": 3},
     "num_kv_heads": {"num_kv_heads": 1},
@@ -173,6 +172,17 @@ def test_layout_mismatch_is_refused_before_any_write(field):
     msg = str(err.value)
     assert field in msg
     assert repr(str(getattr(sent, field))) in msg and repr(str(getattr(expected, field))) in msg
+    assert_untouched(dst, before)
+
+
+def test_an_unknown_layout_is_refused_before_any_write():
+    meta = make_meta()
+    batch = export_blocks(make_pool(meta, 4, seed=8), [1, 2], *seq_blocks(meta, 2), meta)
+    batch = batch.replace_schema_metadata({**batch.schema.metadata, b"layout": b"hnd"})
+    dst = make_pool(meta, 4, seed=9)
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match=r"layout: received 'hnd', expected 'nd'"):
+        import_blocks(batch, dst, [0, 1], meta)
     assert_untouched(dst, before)
 
 

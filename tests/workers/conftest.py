@@ -214,3 +214,14 @@ def hf_gguf_model(default_model_path):
     path = Path(default_model_path)
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                 dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def fake_npu(monkeypatch):
+    """``install(soc=..., free_bytes=..., without=...)``: a fake torch_npu and torch.npu
+    for this test (tests/workers/fake_torch_npu.py); returns its recorded state."""
+    from tests.workers.fake_torch_npu import install
+    from workers import device
+
+    yield lambda **kw: install(monkeypatch, **kw)
+    device.npu_available.cache_clear()

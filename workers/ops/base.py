@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from kvcache.kv_tensors import KVShape
+
 
 @dataclass
 class PrefillSegment:
@@ -53,6 +55,12 @@ class AttentionMetadata:
 
 class Ops(Protocol):
     name: str
+    kv_layout: str   # the pool layout this backend's KV ops read and write (kv_layout.py)
+
+    def allocate_kv(self, shape: KVShape, num_blocks: int,
+                    device: torch.device) -> list[torch.Tensor]:
+        """The pool's per-layer KV tensors, zeroed, in ``shape.layout``."""
+        ...
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` [out, in] in the layout ``linear`` reads fastest, made once at load

@@ -6,11 +6,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvcache.kv_layout import LAYOUT_ND
+from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from workers.ops.base import AttentionMetadata
 
 
 class TorchOps:
     name = "torch"
+    kv_layout = LAYOUT_ND
+
+    def allocate_kv(self, shape: KVShape, num_blocks: int,
+                    device: torch.device) -> list[torch.Tensor]:
+        return allocate_kv_cache(shape, num_blocks, device)
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         return weight

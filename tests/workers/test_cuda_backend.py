@@ -1,0 +1,93 @@
+"""The CUDA attention paths on CPU tensors: SDPA (selected explicitly), and the
+FlashAttention path's calls through a stand-in ``flash_attn_with_kvcache`` computed from
+its documented definition. Neither needs a GPU; CUDA graphs and the real kernel do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.workers.test_npu_backend import KVH, D, H, scatter_sequences
+from workers.ops import AttentionMetadata, PrefillSegment, TorchOps, get_ops
+from workers.ops.cuda import CudaOps
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """flash-attn 2's paged call on CPU: q [B, Sq, H, D], pages (num_blocks, page, KVH, D),
+    int32 block_table and cache_seqlens, causal aligned to the end of the context."""
+    calls.append((tuple(q.shape), block_table.dtype, cache_seqlens.dtype, causal))
+    assert k is None and v is None and block_table.dtype == cache_seqlens.dtype == torch.int32
+    b, sq, h, d = q.shape
+    page = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i in range(b):
+        n = int(cache_seqlens[i])
+        blocks = block_table[i, :-(-n // page)].long()
+        keys = k_cache[blocks].reshape(-1, *k_cache.shape[2:])[:n].float()
+        values = v_cache[blocks].reshape(-1, *v_cache.shape[2:])[:n].float()
+        group = h // keys.shape[1]
+        scores = torch.einsum("shd,lhd->hsl", q[i].float(), keys.repeat_interleave(group, 1))
+        rows = torch.arange(sq)[:, None] + (n - sq)
+        scores = scores * softmax_scale + torch.zeros(sq, n).masked_fill_(
+            torch.arange(n)[None, :] > rows, float("-inf"))
+        out[i] = torch.einsum("hsl,lhd->shd", scores.softmax(-1),
+                              values.repeat_interleave(group, 1)).to(q.dtype)
+    return out
+
+
+calls: list = []
+
+
+def paged_case(block_size):
+    decode_lens, prefill = [1, 37, 300], [(20, 20), (9, 130)]
+    cache, tables, ctx = scatter_sequences(decode_lens + [c for _, c in prefill], block_size,
+                                           num_blocks=40, seed=block_size, dtype=torch.float32)
+    g = torch.Generator().manual_seed(1)
+    n = len(decode_lens) + sum(q for q, _ in prefill)
+    q = torch.randn(n, H, D, generator=g)
+    k, v = torch.empty(n, KVH, D), torch.empty(n, KVH, D)
+    width = max(len(t) for t in tables[:3])
+    dec = torch.zeros(3, width, dtype=torch.long)
+    for i in range(3):
+        dec[i, :len(tables[i])] = tables[i]
+        k[i], v[i] = ctx[i][0][-1], ctx[i][1][-1]
+    segments, start = [], 3
+    for j, (ql, cl) in enumerate(prefill):
+        k[start:start + ql], v[start:start + ql] = ctx[3 + j][0][cl - ql:], ctx[3 + j][1][cl - ql:]
+        segments.append(PrefillSegment(start, ql, cl, tables[3 + j]))
+        start += ql
+    meta = AttentionMetadata(torch.zeros(n, dtype=torch.long), 3, dec,
+                             torch.tensor(decode_lens), segments, block_size)
+    return q, k, v, cache, meta
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_sdpa_path_matches_the_reference(block_size):
+    ops = get_ops(torch.device("cpu"), "cuda")
+    assert isinstance(ops, CudaOps) and ops.name == "cuda"
+    ops.flash = None                       # whatever this machine has installed
+    q, k, v, cache, meta = paged_case(block_size)
+    want = TorchOps().attention(q, k, v, cache, meta, D ** -0.5)
+    torch.testing.assert_close(ops.attention(q, k, v, cache, meta, D ** -0.5), want,
+                               atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flash_path_calls_the_paged_kernel_on_256_token_pages(block_size):
+    calls.clear()
+    ops = CudaOps(flash_attn_with_kvcache)
+    q, k, v, cache, meta = paged_case(block_size)
+    want = TorchOps().attention(q, k, v, cache, meta, D ** -0.5)
+    torch.testing.assert_close(ops.attention(q, k, v, cache, meta, D ** -0.5), want,
+                               atol=2e-5, rtol=1e-4)
+    if block_size % 256:
+        assert calls == []                 # FlashAttention 2 pages are multiples of 256
+    else:
+        assert calls == [((3, 1, H, D), torch.int32, torch.int32, True),
+                         ((1, 20, H, D), torch.int32, torch.int32, True),
+                         ((1, 9, H, D), torch.int32, torch.int32, True)]

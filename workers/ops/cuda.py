@@ -1,0 +1,90 @@
+"""CUDA attention behind the ops seam: FlashAttention's paged kernel where it is
+installed and the pool's blocks fit it, torch SDPA (flash / memory-efficient kernels)
+otherwise. Norms, rotary and the MLP stay the reference ops, which are plain CUDA
+kernels there.
+
+``flash_attn_with_kvcache`` reads our ND pool as is: ``kv_cache[0]`` is ``(num_blocks,
+block_size, kv_heads, head_dim)``, its paged K layout, with a per-sequence ``block_table``
+and ``cache_seqlens`` (the new tokens already written), and a causal mask aligned to the
+end of the context, so one call per prefill segment covers chunks over a cached prefix.
+FlashAttention 2 takes pages of a multiple of 256 tokens: smaller blocks use SDPA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.base import AttentionMetadata
+from workers.ops.torch_ref import TorchOps
+
+FLASH_PAGE_MULTIPLE = 256
+
+
+def load_flash_attn() -> Callable | None:
+    """``flash_attn_with_kvcache`` when flash-attn is installed and imports, else None."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except (ImportError, OSError, RuntimeError):
+        return None
+    return flash_attn_with_kvcache
+
+
+class CudaOps(TorchOps):
+    name = "cuda"
+
+    def __init__(self, flash_attn_with_kvcache: Callable | None) -> None:
+        self.flash = flash_attn_with_kvcache
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.flash is not None and meta.block_size % FLASH_PAGE_MULTIPLE == 0 \
+                and meta.decode_head_tables is None:
+            return self._flash(q, kv_cache, meta, scale)
+        return self._sdpa(q, k, v, kv_cache, meta, scale)
+
+    def _flash(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self.flash(
+                q[:nd].unsqueeze(1), kv_cache[0], kv_cache[1],
+                cache_seqlens=meta.decode_seq_lens.to(torch.int32),
+                block_table=meta.decode_block_tables.to(torch.int32),
+                softmax_scale=scale, causal=True).squeeze(1)
+        for seg in meta.prefills:
+            s, n = seg.query_start, seg.query_len
+            lens = torch.full((1,), seg.context_len, dtype=torch.int32, device=q.device)
+            out[s:s + n] = self.flash(
+                q[s:s + n].unsqueeze(0), kv_cache[0], kv_cache[1], cache_seqlens=lens,
+                block_table=seg.block_table.to(torch.int32).unsqueeze(0),
+                softmax_scale=scale, causal=True).squeeze(0)
+        return out
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Decodes as one padded SDPA call over the gathered blocks; prefills as the
+        reference does (SDPA, causal over the context)."""
+        nd = meta.num_decode_tokens
+        if not nd or meta.decode_head_tables is not None:
+            return super().attention(q, k, v, kv_cache, meta, scale)
+        out = torch.empty_like(q)
+        if meta.prefills:
+            prefill_meta = AttentionMetadata(meta.slot_mapping, 0, meta.decode_block_tables[:0],
+                                             meta.decode_seq_lens[:0], meta.prefills,
+                                             meta.block_size)
+            out = super().attention(q, k, v, kv_cache, prefill_meta, scale)
+        tables = meta.decode_block_tables
+        length = tables.shape[1] * meta.block_size
+        _, _, bs, kvh, hd = kv_cache.shape
+        keys = kv_cache[0][tables].view(nd, length, kvh, hd).transpose(1, 2).to(q.dtype)
+        values = kv_cache[1][tables].view(nd, length, kvh, hd).transpose(1, 2).to(q.dtype)
+        visible = torch.arange(length, device=q.device) < meta.decode_seq_lens[:, None]
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values,
+                                           attn_mask=visible[:, None, None, :], scale=scale,
+                                           enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+        return out
