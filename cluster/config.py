@@ -39,11 +39,14 @@ class ModelConfig:
     ``path`` None is the embedded default model; otherwise an HF checkpoint
     directory or a ``.gguf`` file. fp32 is the default because bf16/fp16 matrix
     products are hundreds of times slower on CPUs. ``ops`` ``torch`` forces the
-    reference kernels (the oracle) instead of the device's own.
+    reference kernels (the oracle) instead of the device's own. ``chat_template``: a
+    Jinja file, or the template itself, replacing the checkpoint's (vLLM's
+    ``--chat-template``).
     """
 
     path: str | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
@@ -139,7 +142,10 @@ class ServingConfig:
     the checkpoint's name). ``api_key``: when set (or ``LLM_CLUSTER_API_KEY`` is), every
     ``/v1`` request needs ``Authorization: Bearer <key>``. ``max_request_bytes``: larger
     bodies are refused with 413. Router replicas autoscale between ``min_replicas`` and
-    ``max_replicas`` on ``target_ongoing_requests`` per replica.
+    ``max_replicas`` on ``target_ongoing_requests`` per replica. ``generation_config``
+    (vLLM's ``--generation-config``): where requests' sampling defaults come from:
+    ``auto`` the checkpoint's generation_config.json, ``vllm`` vLLM's own defaults, or
+    a folder holding a generation_config.json.
     """
 
     host: str = "127.0.0.1"
@@ -151,8 +157,13 @@ class ServingConfig:
     max_replicas: int = 2
     target_ongoing_requests: float = 64.0
     max_ongoing_requests: int = 512
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "vllm") \
+                and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config: got {self.generation_config!r}; allowed: "
+                             "auto, vllm, or an existing folder with a generation_config.json")
         if not 0 < self.port < 65536:
             raise ValueError(f"port: got {self.port}; expected 1 to 65535")
         if self.model_name is not None and not self.model_name.strip():

@@ -2,9 +2,9 @@
 
 Requests are pydantic models in strict mode (a string where a number belongs is a
 400, not a silent conversion), with OpenAI's field names plus vLLM's sampling extras;
-fields neither knows are ignored, as OpenAI's own server does. Responses are plain
-dicts built from the engine's ``CompletionOutput``. Every refusal is an ``APIError``
-that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
+a field the server does not implement is a 400 naming it, never silently dropped.
+Responses are plain dicts built from the engine's ``CompletionOutput``. Every refusal
+is an ``APIError`` that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,7 +83,8 @@ class _SamplingFields(BaseModel):
                 stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                logit_bias=parse_logit_bias(self.logit_bias))
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise APIError(400, str(e), param=field) from None
@@ -94,6 +96,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -139,9 +142,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    """Validate a decoded JSON body; fields the model does not declare are a 400 naming
+    them all, any other problem a 400 naming its field."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    unknown = sorted(set(body) - set(model.model_fields))
+    if unknown:
+        names = ", ".join(unknown)
+        raise APIError(400, f"{names}: not supported by this server; leave "
+                       f"{'it' if len(unknown) == 1 else 'them'} out", param=unknown[0],
+                       code="unsupported_field")
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -173,6 +183,30 @@ class Usage:
 def finish_reason(out: CompletionOutput) -> str | None:
     """OpenAI knows stop and length; an aborted sequence reports none."""
     return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def stop_reason(out: CompletionOutput) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice;
+    None for EOS, the length limit, or a choice still running."""
+    return out.stop_reason if out.finished else None
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id as a JSON key -> a bias in [-100, 100]) as the
+    sampler's {token id: bias}."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias: got the key {key!r}; keys are token ids "
+                           "(non-negative integers as strings)", param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias: got {value} for token {key}; biases lie in "
+                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:

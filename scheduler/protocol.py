@@ -46,12 +46,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -78,6 +80,9 @@ class SamplingParams:
                 raise ValueError(f"stop: got {s!r}; each stop string must be a non-empty str")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0, hi=None)
+        for t, bias in self.logit_bias.items():
+            _check_int("logit_bias", t, lo=0, hi=None, note="keys are token ids")
+            _check_float("logit_bias", bias, lo=-100.0, hi=100.0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: got {getattr(self, name)!r}; expected true or false")
@@ -265,7 +270,7 @@ def encode(msg: Any) -> bytes:
 
 def decode(cls: type[T], data: bytes) -> T:
     """Rebuild a protocol dataclass of type ``cls`` from ``encode``'s output."""
-    return _from_plain(cls, msgpack.unpackb(data, raw=False))
+    return _from_plain(cls, msgpack.unpackb(data, raw=False, strict_map_key=False))
 
 
 def _to_plain(obj: Any) -> Any:
