@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cluster.outputs import CompletionOutput
+from cluster.outputs import CompletionOutput, Logprob
 from scheduler.protocol import SamplingParams
 
 
@@ -65,6 +65,12 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the answer shows (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -84,7 +90,8 @@ class _SamplingFields(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                logit_bias=parse_logit_bias(self.logit_bias))
+                logit_bias=parse_logit_bias(self.logit_bias),
+                prompt_logprobs=self.wanted_prompt_logprobs)
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise APIError(400, str(e), param=field) from None
@@ -97,6 +104,14 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` shows the prompt's logprobs too, as vLLM does."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if echoed is not None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -224,6 +239,34 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], prompt_lps: list[dict[int, Logprob] | None],
+                  first_piece: str) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of an echoed prompt: its first token has none."""
+    tokens, token_lps, tops, offsets = [first_piece], [None], [None], [0]
+    offset = len(first_piece)
+    for tok, entry in zip(prompt_ids[1:], prompt_lps[1:]):
+        piece = entry[tok].decoded_token or ""
+        tokens.append(piece)
+        token_lps.append(entry[tok].logprob)
+        tops.append({lp.decoded_token or "": lp.logprob
+                     for lp in sorted((v for v in entry.values() if v.rank is not None),
+                                      key=lambda v: v.rank)})
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def prompt_logprobs_json(prompt_lps: list[dict[int, Logprob] | None]
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id:
+    {logprob, rank, decoded_token}}, the prompt's own token included."""
+    return [None if entry is None else
+            {str(tok): {"logprob": lp.logprob, "rank": lp.rank,
+                        "decoded_token": lp.decoded_token} for tok, lp in entry.items()}
+            for entry in prompt_lps]
 
 
 def chat_logprobs(out: CompletionOutput, start: int) -> dict[str, Any]:

@@ -33,6 +33,7 @@ class _RequestText:
     params: SamplingParams
     stream: bool
     seqs: dict[int, _SeqText] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,8 +61,9 @@ class OutputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none; "
                              "use stop_token_ids instead")
-        self.requests[request_id] = _RequestText(request_id, prompt, prompt_token_ids, params,
-                                                 stream)
+        self.requests[request_id] = _RequestText(
+            request_id, prompt, prompt_token_ids, params, stream,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[str]]:
         """Apply updates; returns the outputs of the requests that changed and the ids
@@ -72,6 +74,10 @@ class OutputProcessor:
             req = self.requests.get(u.request_id)
             if req is None:
                 continue
+            if u.prompt_logprobs and req.prompt_logprobs is not None:
+                for lp in u.prompt_logprobs:
+                    token = req.prompt_token_ids[len(req.prompt_logprobs)]
+                    req.prompt_logprobs.append(self._logprob_entry(token, lp))
             seq = req.seqs.get(u.sample_index)
             if seq is None:
                 seq = req.seqs[u.sample_index] = self._new_seq(req, u.sample_index)
@@ -149,4 +155,5 @@ class OutputProcessor:
                                  s.out.finish_reason, s.out.stop_reason)
                 for _, s in sorted(req.seqs.items())]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
-                             req.finished)
+                             req.finished,
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))

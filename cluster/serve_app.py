@@ -44,13 +44,15 @@ from cluster.openai_protocol import (
     Usage,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     envelope,
     finish_reason,
     parse_request,
+    prompt_logprobs_json,
     stop_reason,
 )
 from cluster.output_processor import streamable_text
-from cluster.outputs import CompletionOutput
+from cluster.outputs import CompletionOutput, Logprob
 from scheduler.global_scheduler import NoWorkersError, OverloadedError
 from scheduler.protocol import SamplingParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
@@ -125,6 +127,7 @@ class _Choice:
     sent_text: int = 0
     sent_tokens: int = 0
     hide_logprobs: bool = False   # asked for only to rank best_of samples
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # its prompt's
 
     @property
     def logprobs(self) -> bool:
@@ -151,10 +154,10 @@ def _best_of(req: Any) -> int:
         return req.n
     if best_of < req.n:
         raise APIError(400, f"best_of: got {best_of}, fewer than n={req.n}; best_of must be "
-                       ">= n", "best_of")
+                       ">= n", param="best_of")
     if req.stream and best_of > req.n:
         raise APIError(400, "best_of: cannot be streamed (the best samples are known only "
-                       "at the end); set stream to false or best_of to n", "best_of")
+                       "at the end); set stream to false or best_of to n", param="best_of")
     return best_of
 
 
@@ -376,15 +379,18 @@ class Router:
         samples = _best_of(req)
         if len(prompts) * samples > MAX_CHOICES:
             raise APIError(400, f"best_of: got {samples} for {len(prompts)} prompt(s); at "
-                           f"most {MAX_CHOICES} samples per request", "best_of")
+                           f"most {MAX_CHOICES} samples per request", param="best_of")
         hide = samples > req.n and logprobs is None
         if hide:
             logprobs = 0
+        if req.stream and req.wanted_prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs (or echo with logprobs): not supported with "
+                           "stream; set stream to false", param="prompt_logprobs")
         bad = [t for t in req.sampling_params(None, None, None).logit_bias
                if t >= self.client.vocab_size]
         if bad:
             raise APIError(400, f"logit_bias: got the token id {bad[0]}; this model's ids "
-                           f"lie in [0, {self.client.vocab_size})", "logit_bias")
+                           f"lie in [0, {self.client.vocab_size})", param="logit_bias")
         limit = self.client.max_model_len
         choices = []
         for text, ids in prompts:
@@ -397,6 +403,8 @@ class Router:
             for i in range(samples):
                 seed = None if req.seed is None else req.seed + i
                 params = req.sampling_params(budget, logprobs, seed)
+                if i:   # a prompt's logprobs are computed once, by its first sample
+                    params = dataclasses.replace(params, prompt_logprobs=None)
                 choices.append(_Choice(len(choices), text, ids, params, hide_logprobs=hide))
         return choices
 
@@ -417,6 +425,8 @@ class Router:
         body = envelope(kind, request_id, self.model_name)
         shown = _best(choices, req.n) if _best_of(req) > req.n else choices
         body["choices"] = [final(req, c) for c in shown]
+        if isinstance(req, ChatCompletionRequest) and req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(choices[0].prompt_logprobs or [])
         body["usage"] = _usage(choices).as_dict()
         return JSONResponse(body)
 
@@ -462,6 +472,10 @@ class Router:
                     raise _scheduler_error(item)
                 c.out = item.outputs[0]
                 c.out.index = c.index
+                if item.prompt_logprobs is not None:
+                    for sibling in choices:
+                        if sibling.prompt_ids is c.prompt_ids:
+                            sibling.prompt_logprobs = item.prompt_logprobs
                 yield c
         finally:
             for t in tasks:
@@ -543,13 +557,20 @@ class Router:
                 "logprobs": logprobs, "finish_reason": finish_reason(c.out) if done else None,
                 "stop_reason": stop_reason(c.out)}
 
-    @staticmethod
-    def _completion_choice(req: CompletionRequest, c: _Choice) -> dict[str, Any]:
+    def _completion_choice(self, req: CompletionRequest, c: _Choice) -> dict[str, Any]:
         head = c.prompt if req.echo and c.prompt is not None else ""
         logprobs = completion_logprobs(c.out, 0, len(head)) \
             if c.logprobs else None
-        return {"index": c.index, "text": head + c.out.text, "logprobs": logprobs,
-                "finish_reason": finish_reason(c.out), "stop_reason": stop_reason(c.out)}
+        if logprobs is not None and req.echo and c.prompt_logprobs is not None:
+            tok = self.client.tokenizer
+            first = tok.decode(c.prompt_ids[:1], skip_special_tokens=False) if tok else ""
+            echoed = echo_logprobs(c.prompt_ids, c.prompt_logprobs, first)
+            logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+        choice = {"index": c.index, "text": head + c.out.text, "logprobs": logprobs,
+                  "finish_reason": finish_reason(c.out), "stop_reason": stop_reason(c.out)}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs or [])
+        return choice
 
     @staticmethod
     def _chat_choice(req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:

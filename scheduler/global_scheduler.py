@@ -320,8 +320,8 @@ class GlobalScheduler:
             updates = w.batch.update(output)
             self._publish(updates)
             if w.role == "prefill":
-                for u in updates:
-                    if u.finish_reason is None and u.seq_id in w.batch.seqs:
+                for u in updates:   # a prompt's first token: its KV moves on
+                    if u.new_token_ids and u.finish_reason is None and u.seq_id in w.batch.seqs:
                         self._start_handoff(w, w.batch.seqs[u.seq_id])
             t3 = time.perf_counter()
             w.reported_seqs = output.stats.num_seqs

@@ -47,6 +47,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
+    prompt_logprobs: int | None = None   # top alternatives per prompt token (and its own)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,6 +76,8 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: got {s!r}; each stop string must be a non-empty str")
@@ -219,11 +222,15 @@ class SequenceOutput:
 
     Normally one token; ``n`` tokens when an ``n > 1`` request's prompt completes
     (one per child, in sample-index order); none while a chunked prefill is partial.
+    ``prompt_logprobs`` (requests asking for them): the logprobs of the prompt tokens
+    from position ``prompt_logprobs_start`` on that this step's chunk predicted.
     """
 
     seq_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
 
 
 @dataclass

@@ -154,6 +154,7 @@ def _fake_hub_cache(root, repo: str, source) -> None:
     shutil.copytree(source, base / "snapshots" / rev)
 
 
+@pytest.mark.slow
 def test_org_name_models_resolve_through_the_local_hf_cache(tiny_factory, tmp_path,
                                                             monkeypatch):
     from huggingface_hub import constants
@@ -252,3 +253,38 @@ def test_metrics_carry_vllm_names_and_the_scheduler_values():
     assert s[("llm_cluster_kv_transfer_bytes_total", worker)] == 1024
     assert s[("llm_cluster_worker_alive", worker)] == 0
     assert not any(name.startswith("llm_cluster_host_kv") for name, _ in s)
+
+
+# ---- prompt logprobs -------------------------------------------------------------------
+@pytest.mark.slow
+def test_prompt_logprobs_equal_hf_log_softmax_across_chunks_and_a_cached_prefix(
+        tiny_factory):
+    """Oracle: HF transformers' log-softmax over the same prompt. The prompt spans three
+    prefill chunks, and its leading blocks are in the prefix cache from an earlier
+    request, which a request asking for prompt logprobs must not skip."""
+    from cluster.llm import LLM
+
+    tiny = tiny_factory("llama")
+    ids = torch.randint(3, tiny.hf.config.vocab_size, (40,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    llm = LLM(tiny.path, max_num_batched_tokens=16, kv_cache_bytes=8 << 20)
+    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))   # fills the cache
+    out = llm.generate([ids], SamplingParams(max_tokens=2, temperature=0.0,
+                                             prompt_logprobs=3))[0]
+    with torch.no_grad():
+        want = tiny.hf(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    got = out.prompt_logprobs
+    assert len(got) == len(ids) and got[0] is None
+    for p in range(1, len(ids)):
+        entry = got[p]
+        assert entry[ids[p]].logprob == pytest.approx(float(want[p - 1, ids[p]]), abs=1e-4)
+        top = want[p - 1].topk(3)
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None),
+                        key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3]
+        np.testing.assert_allclose([lp.logprob for lp in ranked], top.values.numpy(),
+                                   atol=1e-4)
+        assert [t for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+                if lp.rank is not None] == top.indices.tolist()
+    none = llm.generate([ids], SamplingParams(max_tokens=1))[0]
+    assert none.prompt_logprobs is None
