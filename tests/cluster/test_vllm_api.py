@@ -288,3 +288,42 @@ def test_prompt_logprobs_equal_hf_log_softmax_across_chunks_and_a_cached_prefix(
                 if lp.rank is not None] == top.indices.tolist()
     none = llm.generate([ids], SamplingParams(max_tokens=1))[0]
     assert none.prompt_logprobs is None
+
+
+def test_prompt_logprobs_are_reported_once_and_skip_the_prefix_cache():
+    """The scheduler's side: a recomputed prompt scores positions already sent again;
+    only the new ones go out. A prompt asking for them is computed from its start even
+    when the prefix cache holds its leading blocks."""
+    from kvcache.kv_cache_manager import KVCacheManager
+    from scheduler.batch_scheduler import BatchScheduler
+    from scheduler.config import SchedulerConfig
+    from scheduler.protocol import SequenceOutput, StepOutput, TokenLogprobs
+
+    def entries(n: int, first: float) -> list[TokenLogprobs]:
+        return [TokenLogprobs(first - i, [], []) for i in range(n)]
+
+    prompt = list(range(3, 43))
+    batch = BatchScheduler(SchedulerConfig(max_num_batched_tokens=16),
+                           KVCacheManager(64, 16, True), 512, [2])
+    batch.add("a", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0))
+    plan = batch.schedule()
+    (first,) = batch.update(StepOutput(plan.step_id, [
+        SequenceOutput("a", [], None, entries(3, -1.0), 1)]))
+    assert first.new_token_ids == [] and [e.token_logprob for e in first.prompt_logprobs] \
+        == [-1.0, -2.0, -3.0]
+    (again,) = batch.update(StepOutput(plan.step_id + 1, [   # positions 1-5, after a recompute
+        SequenceOutput("a", [], None, entries(5, -1.0), 1)]))
+    assert [e.token_logprob for e in again.prompt_logprobs] == [-4.0, -5.0]
+    assert batch.update(StepOutput(plan.step_id + 2, [
+        SequenceOutput("a", [], None, entries(2, -1.0), 1)])) == []   # nothing new
+
+    batch = BatchScheduler(SchedulerConfig(), KVCacheManager(64, 16, True), 512, [2])
+    batch.add("warm", prompt, SamplingParams(max_tokens=1))
+    plan = batch.schedule()
+    batch.update(StepOutput(plan.step_id, [SequenceOutput("warm", [7])]))
+    batch.schedule()   # the finished sequence's blocks go back, cached
+    batch.add("plain", prompt, SamplingParams(max_tokens=1))
+    batch.add("scored", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    new = {s.seq_id: s for s in batch.schedule().new}
+    assert new["plain"].num_computed_tokens == 32   # two cached blocks
+    assert new["scored"].num_computed_tokens == 0
