@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster.config import ConfigError
+from cluster.vllm_args import add_config_flags
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -69,12 +70,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.config import load_config, sampling_defaults, with_default_pools, with_overrides
     from cluster.serve_app import app_for, served_model_name
+    from cluster.vllm_args import config_overrides
 
-    flags = {("model", "path"): args.model, ("serving", "host"): args.host,
-             ("serving", "port"): args.port, ("serving", "api_key"): args.api_key,
-             ("serving", "model_name"): args.served_name}
-    config = with_default_pools(with_overrides(
-        load_config(args.config), {k: v for k, v in flags.items() if v is not None}))
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model "
+                         f"{args.model!r}; give one")
+    flags = config_overrides(args)
+    model = args.model_tag or args.model
+    if model is not None:
+        flags[("model", "path")] = model
+    config = with_default_pools(with_overrides(load_config(args.config), flags))
     sv = config.serving
     ray.init(address=config.cluster.address, include_dashboard=False, log_to_driver=True)
     signal.signal(signal.SIGTERM, interrupt)
@@ -157,14 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="serve the OpenAI API over HTTP on a Ray cluster",
         description="Start (or join) Ray, launch the cell's workers and scheduler and an "
         "OpenAI-compatible router (/v1/models, /v1/completions, /v1/chat/completions, "
-        "/health, /metrics); runs until Ctrl-C or SIGTERM. With no config: the embedded "
-        "model on 1 prefill + 1 decode worker of one CPU each.")
-    srv.add_argument("--host", help="address to listen on (default: serving.host, 127.0.0.1)")
-    srv.add_argument("--port", type=int, help="port to listen on (default: serving.port, 8000)")
-    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 "
-                     "(default: serving.api_key or $LLM_CLUSTER_API_KEY; none: open)")
-    srv.add_argument("--served-name", help="the model id clients send (default: "
-                     "serving.model_name, else the checkpoint's name)")
+        "/tokenize, /detokenize, /version, /health, /metrics); runs until Ctrl-C or SIGTERM. "
+        "With no config: the embedded model on 1 prefill + 1 decode worker of one CPU each.")
+    srv.add_argument("model_tag", nargs="?", metavar="MODEL",
+                     help="HF checkpoint directory, .gguf file, or an org/name model id "
+                     "found in the local Hugging Face cache (as vLLM's `serve MODEL`)")
+    add_config_flags(srv)
     _add_common(srv)
     srv.set_defaults(func=_cmd_serve)
     batch = sub.add_parser(

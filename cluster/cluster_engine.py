@@ -116,7 +116,7 @@ class ClusterClient:
             if done or rid not in self.outputs.requests:
                 self._pending.discard(rid)
         for seq_id in to_stop:   # a stop string matched: the scheduler stops it too
-            _get(self.scheduler.abort.remote(seq_id))   # n=1: seq id == request id
+            _get(self.scheduler.abort.remote(seq_id, "stop"))   # n=1: seq id == request id
         return results
 
     def stats(self) -> dict[str, Any]:
@@ -178,7 +178,7 @@ class ClusterClient:
                         else self._streams[out.request_id]
                     queue.put_nowait(out)
             for seq_id in to_stop:
-                await _aget(self.scheduler.abort.remote(seq_id))
+                await _aget(self.scheduler.abort.remote(seq_id, "stop"))
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -246,7 +246,8 @@ class ClusterEngine(ClusterClient):
         mc = config.model
         # The driver needs the tokenizer and the model's shape; cached weights are mmapped.
         ckpt = checkpoint or load_checkpoint(mc.path, dtype=getattr(torch, mc.dtype),
-                                             tokenizer=mc.tokenizer)
+                                             tokenizer=mc.tokenizer,
+                                             chat_template=mc.chat_template)
         self.model_config = ckpt.config
         self.sampling_defaults = sampling_defaults(config)
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,

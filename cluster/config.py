@@ -50,10 +50,13 @@ class ModelConfig:
     reference kernels (the oracle) instead of the device's own. ``generation_config``
     (vLLM's flag): where requests' sampling defaults come from: ``auto`` the
     checkpoint's ``generation_config.json``, ``vllm`` none, or a directory holding one.
+    ``chat_template``: a Jinja file, or the template itself, replacing the checkpoint's
+    (vLLM's ``--chat-template``).
     """
 
     path: str | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 0
@@ -67,6 +70,10 @@ class ModelConfig:
             raise ValueError(f"device: got {self.device!r}; allowed: {', '.join(DEVICES)}")
         if self.ops not in OPS_BACKENDS:
             raise ValueError(f"ops: got {self.ops!r}; allowed: {', '.join(OPS_BACKENDS)}")
+        if self.generation_config not in ("auto", "vllm") \
+                and not Path(self.generation_config).is_dir():
+            raise ValueError(f"generation_config: got {self.generation_config!r}; allowed: "
+                             "auto, vllm, or an existing folder with a generation_config.json")
 
 
 @dataclass

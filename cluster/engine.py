@@ -101,7 +101,8 @@ class LocalEngine:
         mc = config.model
         dtype = getattr(torch, mc.dtype)
         t0 = time.perf_counter()
-        ckpt = checkpoint or load_checkpoint(mc.path, dtype=dtype, tokenizer=mc.tokenizer)
+        ckpt = checkpoint or load_checkpoint(mc.path, dtype=dtype, tokenizer=mc.tokenizer,
+                                             chat_template=mc.chat_template)
         self.load_time_s = time.perf_counter() - t0
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer

@@ -2,9 +2,9 @@
 
 Requests are pydantic models in strict mode (a string where a number belongs is a
 400, not a silent conversion), with OpenAI's field names plus vLLM's sampling extras;
-fields neither knows are ignored, as OpenAI's own server does. Responses are plain
-dicts built from the engine's ``CompletionOutput``. Every refusal is an ``APIError``
-that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
+a field the server does not implement is a 400 naming it, never silently dropped.
+Responses are plain dicts built from the engine's ``CompletionOutput``. Every refusal
+is an ``APIError`` that the router renders as ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.openai_structured import StructuredFields
-from cluster.outputs import CompletionOutput
+from cluster.outputs import CompletionOutput, Logprob
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
 
@@ -66,6 +66,13 @@ class _SamplingFields(StructuredFields):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token the answer shows (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -90,7 +97,9 @@ class _SamplingFields(StructuredFields):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                structured_outputs=structured)
+                structured_outputs=structured,
+                logit_bias=parse_logit_bias(self.logit_bias),
+                prompt_logprobs=self.wanted_prompt_logprobs)
         except ValueError as e:
             field = str(e).split(":", 1)[0]
             raise APIError(400, str(e), param=field) from None
@@ -102,6 +111,15 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """``echo`` with ``logprobs`` shows the prompt's logprobs too, as vLLM does."""
+        echoed = self.logprobs if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return echoed if echoed is not None else self.prompt_logprobs
+        return max(echoed, self.prompt_logprobs)
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -148,9 +166,16 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    """Validate a decoded JSON body; fields the model does not declare are a 400 naming
+    them all, any other problem a 400 naming its field."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    unknown = sorted(set(body) - set(model.model_fields))
+    if unknown:
+        names = ", ".join(unknown)
+        raise APIError(400, f"{names}: not supported by this server; leave "
+                       f"{'it' if len(unknown) == 1 else 'them'} out", param=unknown[0],
+                       code="unsupported_field")
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -184,6 +209,30 @@ def finish_reason(out: CompletionOutput) -> str | None:
     return out.finish_reason if out.finish_reason in ("stop", "length") else None
 
 
+def stop_reason(out: CompletionOutput) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the choice;
+    None for EOS, the length limit, or a choice still running."""
+    return out.stop_reason if out.finished else None
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id as a JSON key -> a bias in [-100, 100]) as the
+    sampler's {token id: bias}."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias: got the key {key!r}; keys are token ids "
+                           "(non-negative integers as strings)", param="logit_bias")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias: got {value} for token {key}; biases lie in "
+                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
 def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object for tokens ``start:`` of ``out``."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -199,6 +248,34 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], prompt_lps: list[dict[int, Logprob] | None],
+                  first_piece: str) -> dict[str, Any]:
+    """The legacy ``logprobs`` object of an echoed prompt: its first token has none."""
+    tokens, token_lps, tops, offsets = [first_piece], [None], [None], [0]
+    offset = len(first_piece)
+    for tok, entry in zip(prompt_ids[1:], prompt_lps[1:]):
+        piece = entry[tok].decoded_token or ""
+        tokens.append(piece)
+        token_lps.append(entry[tok].logprob)
+        tops.append({lp.decoded_token or "": lp.logprob
+                     for lp in sorted((v for v in entry.values() if v.rank is not None),
+                                      key=lambda v: v.rank)})
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def prompt_logprobs_json(prompt_lps: list[dict[int, Logprob] | None]
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id:
+    {logprob, rank, decoded_token}}, the prompt's own token included."""
+    return [None if entry is None else
+            {str(tok): {"logprob": lp.logprob, "rank": lp.rank,
+                        "decoded_token": lp.decoded_token} for tok, lp in entry.items()}
+            for entry in prompt_lps]
 
 
 def chat_logprobs(out: CompletionOutput, start: int) -> dict[str, Any]:

@@ -34,6 +34,7 @@ class _RequestText:
     params: SamplingParams
     stream: bool
     seqs: dict[int, _SeqText] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -65,8 +66,9 @@ class OutputProcessor:
             if self.tokenizer is None:
                 raise ValueError("structured output needs a tokenizer, and this model has none")
             grammar_for(params.structured_outputs)   # refuse a bad grammar before any work
-        self.requests[request_id] = _RequestText(request_id, prompt, prompt_token_ids, params,
-                                                 stream)
+        self.requests[request_id] = _RequestText(
+            request_id, prompt, prompt_token_ids, params, stream,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
     def process(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[str]]:
         """Apply updates; returns the outputs of the requests that changed and the ids
@@ -77,6 +79,10 @@ class OutputProcessor:
             req = self.requests.get(u.request_id)
             if req is None:
                 continue
+            if u.prompt_logprobs and req.prompt_logprobs is not None:
+                for lp in u.prompt_logprobs:
+                    token = req.prompt_token_ids[len(req.prompt_logprobs)]
+                    req.prompt_logprobs.append(self._logprob_entry(token, lp))
             seq = req.seqs.get(u.sample_index)
             if seq is None:
                 seq = req.seqs[u.sample_index] = self._new_seq(req, u.sample_index)
@@ -154,4 +160,5 @@ class OutputProcessor:
                                  s.out.finish_reason, s.out.stop_reason)
                 for _, s in sorted(req.seqs.items())]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs,
-                             req.finished)
+                             req.finished,
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))

@@ -34,3 +34,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: one entry a prompt token, None for the first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

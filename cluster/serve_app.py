@@ -11,6 +11,7 @@ choice, ``seed + index`` when seeded. ``build_app`` is the import path for
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import os
 import time
@@ -26,6 +27,7 @@ from ray import serve
 from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException
 
+from cluster import metrics, openai_tokenize
 from cluster.cluster_engine import ClusterClient, ClusterEngine, RequestStream
 from cluster.config import (
     ConfigError,
@@ -36,7 +38,6 @@ from cluster.config import (
     with_default_pools,
     with_overrides,
 )
-from cluster.metrics import RouterMetrics
 from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -44,16 +45,20 @@ from cluster.openai_protocol import (
     Usage,
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     envelope,
     finish_reason,
     parse_request,
+    prompt_logprobs_json,
+    stop_reason,
 )
 from cluster.output_processor import streamable_text
-from cluster.outputs import CompletionOutput, RequestOutput
+from cluster.outputs import CompletionOutput, Logprob
 from cluster.reasoning import ReasoningParser
 from scheduler.global_scheduler import NoWorkersError, OverloadedError
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
+from workers.loading.hub import is_hub_id
 from workers.tokenizer import Tokenizer
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
@@ -64,6 +69,8 @@ def served_model_name(config: EngineConfig) -> str:
     """The model id clients send: the configured name, else the checkpoint's."""
     if config.serving.model_name:
         return config.serving.model_name
+    if config.model.path and is_hub_id(config.model.path):
+        return config.model.path   # vLLM serves a model id under that id
     path = Path(config.model.path or DEFAULT_MODEL_FILE.split(".")[0])
     return path.name.removesuffix(".gguf")
 
@@ -105,7 +112,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """FastAPI's own refusals (unknown path, wrong method) in OpenAI's error shape."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = (f"{request.method} {request.url.path}: {exc.detail}; the API is "
-               "/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics")
+               "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, "
+               "/version, /health, /metrics")
     return JSONResponse(APIError(exc.status_code, message, kind).body(),
                         status_code=exc.status_code)
 
@@ -124,7 +132,13 @@ class _Choice:
     sent_tokens: int = 0
     sent_reasoning: int = 0   # with a reasoning parser: what of each part has been sent
     sent_content: int = 0
-    first_token_at: float | None = None
+    hide_logprobs: bool = False   # asked for only to rank best_of samples
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # its prompt's
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer shows this choice's logprobs."""
+        return self.params.logprobs is not None and not self.hide_logprobs
 
 
 # The router's helpers stand before it: ``serve.ingress`` serializes the class as it is
@@ -136,6 +150,34 @@ def _event(body: dict[str, Any]) -> str:
 def _usage(choices: list[_Choice]) -> Usage:
     prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}
     return Usage(sum(prompts.values()), sum(len(c.out.token_ids) for c in choices))
+
+
+def _best_of(req: Any) -> int:
+    """Samples to draw per prompt: ``best_of`` (completions only; at least ``n``, not
+    streamed, as OpenAI has it), else ``n``."""
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
+    if best_of is None:
+        return req.n
+    if best_of < req.n:
+        raise APIError(400, f"best_of: got {best_of}, fewer than n={req.n}; best_of must be "
+                       ">= n", param="best_of")
+    if req.stream and best_of > req.n:
+        raise APIError(400, "best_of: cannot be streamed (the best samples are known only "
+                       "at the end); set stream to false or best_of to n", param="best_of")
+    return best_of
+
+
+def _best(choices: list[_Choice], n: int) -> list[_Choice]:
+    """The ``n`` samples of each prompt with the highest cumulative logprob (best_of),
+    in that order, renumbered."""
+    by_prompt: dict[int, list[_Choice]] = {}
+    for c in choices:
+        by_prompt.setdefault(id(c.prompt_ids), []).append(c)
+    best = [c for group in by_prompt.values()
+            for c in sorted(group, key=lambda c: -(c.out.cumulative_logprob or 0.0))[:n]]
+    for i, c in enumerate(best):
+        c.index = c.out.index = i
+    return best
 
 
 def _too_large(size: int, limit: int) -> APIError:
@@ -167,7 +209,8 @@ def _scheduler_error(e: BaseException) -> BaseException:
 class Router:
     """The OpenAI-compatible HTTP front of one cell."""
 
-    async def __init__(self, cell: Any, serving: dict[str, Any], model_name: str) -> None:
+    async def __init__(self, cell: Any, serving: dict[str, Any], model_name: str,
+                       model_root: str) -> None:
         info: CellInfo = await cell.describe.remote()
         self.client = ClusterClient.attach(info.cluster_name, info.tokenizer, info.vocab_size,
                                            info.max_model_len)
@@ -177,7 +220,7 @@ class Router:
         self.sampling_defaults = info.sampling_defaults
         self.reasoning = (ReasoningParser(self.serving.reasoning_parser)
                           if self.serving.reasoning_parser else None)
-        self.metrics = RouterMetrics()
+        self.model_root = model_root
         self.created = int(time.time())
 
     # ---- endpoints -------------------------------------------------------------------
@@ -197,10 +240,22 @@ class Router:
     async def metrics(self) -> Response:
         try:
             stats = await self.client.astats()
-        except Exception:
-            stats = None
-        return PlainTextResponse(self.metrics.render(stats),
-                                 media_type="text/plain; version=0.0.4")
+        except Exception as e:
+            return PlainTextResponse(f"the scheduler does not answer: {e}\n", status_code=503)
+        return Response(metrics.render(stats, self.model_name),
+                        media_type=metrics.CONTENT_TYPE)
+
+    @api.get("/version")
+    async def version(self) -> Response:
+        return JSONResponse(openai_tokenize.version())
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, self._tokenize_endpoint)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._answer(request, self._detokenize_endpoint)
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -222,15 +277,21 @@ class Router:
             self._authorize(request)
             return await handler(request)
         except APIError as e:
-            self.metrics.errors[e.code or e.type] += 1
+            self._count_error(e)
             headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    def _count_error(self, e: APIError) -> None:
+        """Count a refusal in the cell's metrics (kept by the scheduler, so every replica
+        reports the same totals); the count is sent, not awaited."""
+        self.client.scheduler.record_error.remote(e.code or e.type)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        # Constant time: how long a wrong key takes says nothing of how much of it matched.
+        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "missing or wrong API key: send the header "
                            "'Authorization: Bearer <key>'", "authentication_error",
                            code="invalid_api_key")
@@ -261,8 +322,25 @@ class Router:
     async def _models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "llm-cluster", "max_model_len": self.client.max_model_len,
+            "owned_by": "llm-cluster", "root": self.model_root, "parent": None,
+            "max_model_len": self.client.max_model_len,
             "sampling_defaults": self.sampling_defaults}]})
+
+    async def _tokenize_endpoint(self, request: Request) -> Response:
+        body = await self._body(request)
+        req = parse_request(openai_tokenize.tokenize_request_type(body), body)
+        if req.model is not None:
+            self._check_model(req.model)
+        return JSONResponse(openai_tokenize.tokenize(self.client.tokenizer, req,
+                                                     self.client.max_model_len))
+
+    async def _detokenize_endpoint(self, request: Request) -> Response:
+        req: openai_tokenize.DetokenizeRequest = parse_request(
+            openai_tokenize.DetokenizeRequest, await self._body(request))
+        if req.model is not None:
+            self._check_model(req.model)
+        return JSONResponse(openai_tokenize.detokenize(self.client.tokenizer, req,
+                                                       self.client.vocab_size))
 
     async def _completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
@@ -314,10 +392,27 @@ class Router:
 
     def _choices(self, req: Any, prompts: list[tuple[str | None, list[int]]],
                  max_tokens: int | None, logprobs: int | None) -> list[_Choice]:
-        """One choice per prompt and sample, each with its own parameters."""
+        """One choice per prompt and sample, each with its own parameters: ``n`` samples a
+        prompt, or ``best_of`` to keep the best ``n`` of (ranked by their logprobs, which
+        are then asked for and shown only if the request wanted them)."""
         if not 1 <= req.n <= MAX_CHOICES or len(prompts) * req.n > MAX_CHOICES:
             raise APIError(400, f"n: got {req.n} for {len(prompts)} prompt(s); at most "
                            f"{MAX_CHOICES} choices per request", "n")
+        samples = _best_of(req)
+        if len(prompts) * samples > MAX_CHOICES:
+            raise APIError(400, f"best_of: got {samples} for {len(prompts)} prompt(s); at "
+                           f"most {MAX_CHOICES} samples per request", param="best_of")
+        hide = samples > req.n and logprobs is None
+        if hide:
+            logprobs = 0
+        if req.stream and req.wanted_prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs (or echo with logprobs): not supported with "
+                           "stream; set stream to false", param="prompt_logprobs")
+        bad = [t for t in req.sampling_params(None, None, None).logit_bias
+               if t >= self.client.vocab_size]
+        if bad:
+            raise APIError(400, f"logit_bias: got the token id {bad[0]}; this model's ids "
+                           f"lie in [0, {self.client.vocab_size})", param="logit_bias")
         limit = self.client.max_model_len
         structured = _structured_spec(req)
         choices = []
@@ -328,33 +423,34 @@ class Router:
                                f"more; lower max_tokens to at most {limit - len(ids)}",
                                param="max_tokens", code="context_length_exceeded")
             budget = max_tokens if max_tokens is not None else limit - len(ids)
-            for i in range(req.n):
+            for i in range(samples):
                 seed = None if req.seed is None else req.seed + i
                 params = req.sampling_params(budget, logprobs, seed, self.sampling_defaults,
                                              structured)
-                choices.append(_Choice(len(choices), text, ids, params))
+                if i:   # a prompt's logprobs are computed once, by its first sample
+                    params = dataclasses.replace(params, prompt_logprobs=None)
+                choices.append(_Choice(len(choices), text, ids, params, hide_logprobs=hide))
         return choices
 
     async def _respond(self, req: Any, choices: list[_Choice], prefix: str,
                        chunk: Callable[..., dict[str, Any] | None],
                        final: Callable[[Any, _Choice], dict[str, Any]]) -> Response:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        arrival = time.perf_counter()
         await self._submit(request_id, choices)
         kind = "chat.completion" if prefix == "chatcmpl" else "text_completion"
         if req.stream:
-            return StreamingResponse(
-                self._sse(req, request_id, choices, arrival, kind, chunk),
-                media_type="text/event-stream")
-        self.metrics.in_flight += 1
+            return StreamingResponse(self._sse(req, request_id, choices, kind, chunk),
+                                     media_type="text/event-stream")
         try:
-            async for _ in self._progress(choices, arrival):
+            async for _ in self._progress(choices):
                 pass
         finally:
-            self.metrics.in_flight -= 1
             await self._close(choices)
         body = envelope(kind, request_id, self.model_name)
-        body["choices"] = [final(req, c) for c in choices]
+        shown = _best(choices, req.n) if _best_of(req) > req.n else choices
+        body["choices"] = [final(req, c) for c in shown]
+        if isinstance(req, ChatCompletionRequest) and req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(choices[0].prompt_logprobs or [])
         body["usage"] = _usage(choices).as_dict()
         return JSONResponse(body)
 
@@ -374,10 +470,8 @@ class Router:
             if c.stream is not None:
                 await c.stream.aclose()
 
-    async def _progress(self, choices: list[_Choice], arrival: float
-                        ) -> AsyncIterator[_Choice]:
-        """Each choice as its output grows (outputs of all choices interleaved); records
-        the latency metrics as each finishes."""
+    async def _progress(self, choices: list[_Choice]) -> AsyncIterator[_Choice]:
+        """Each choice as its output grows (outputs of all choices interleaved)."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def follow(c: _Choice) -> None:
@@ -400,38 +494,32 @@ class Router:
                     continue
                 if isinstance(item, BaseException):
                     raise _scheduler_error(item)
-                self._absorb(c, item, arrival)
+                c.out = item.outputs[0]
+                c.out.index = c.index
+                if item.prompt_logprobs is not None:
+                    for sibling in choices:
+                        if sibling.prompt_ids is c.prompt_ids:
+                            sibling.prompt_logprobs = item.prompt_logprobs
                 yield c
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _absorb(self, c: _Choice, out: RequestOutput, arrival: float) -> None:
-        now = time.perf_counter()
-        c.out = out.outputs[0]
-        c.out.index = c.index
-        if c.first_token_at is None and c.out.token_ids:
-            c.first_token_at = now
-        if out.finished:
-            self.metrics.requests[finish_reason(c.out) or "abort"] += 1
-            self.metrics.observe_request(arrival, c.first_token_at, now, len(c.out.token_ids))
-
-    async def _sse(self, req: Any, request_id: str, choices: list[_Choice], arrival: float,
-                   kind: str, chunk: Callable[..., dict[str, Any] | None]
+    async def _sse(self, req: Any, request_id: str, choices: list[_Choice], kind: str,
+                   chunk: Callable[..., dict[str, Any] | None]
                    ) -> AsyncIterator[str]:
         """The streamed answer: a chunk per choice whenever its text grows, the usage
         chunk if asked for, then ``[DONE]``. A client that goes away cancels this
         generator, which aborts every choice still running."""
         created = int(time.time())
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
-        self.metrics.in_flight += 1
         try:
             for c in choices:
                 head = chunk(req, c, first=True)
                 if head is not None:
                     yield _event(self._chunk(request_id, chunk_kind, created, req, [head]))
-            async for c in self._progress(choices, arrival):
+            async for c in self._progress(choices):
                 body = chunk(req, c, first=False)
                 if body is not None:
                     yield _event(self._chunk(request_id, chunk_kind, created, req, [body]))
@@ -441,10 +529,9 @@ class Router:
                 tail["usage"] = _usage(choices).as_dict()
                 yield _event(tail)
         except APIError as e:
-            self.metrics.errors[e.code or e.type] += 1
+            self._count_error(e)
             yield _event(e.body())
         finally:
-            self.metrics.in_flight -= 1
             await self._close(choices)
         yield "data: [DONE]\n\n"
 
@@ -478,7 +565,8 @@ class Router:
         logprobs = completion_logprobs(c.out, start, 0) if c.params.logprobs is not None \
             else None
         return {"index": c.index, "text": new, "logprobs": logprobs,
-                "finish_reason": finish_reason(c.out) if done else None}
+                "finish_reason": finish_reason(c.out) if done else None,
+                "stop_reason": stop_reason(c.out)}
 
     def _chat_chunk(self, req: ChatCompletionRequest, c: _Choice,
                     first: bool) -> dict[str, Any] | None:
@@ -500,15 +588,23 @@ class Router:
             return None
         logprobs = chat_logprobs(c.out, start) if c.params.logprobs is not None else None
         return {"index": c.index, "delta": delta,
-                "logprobs": logprobs, "finish_reason": finish_reason(c.out) if done else None}
+                "logprobs": logprobs, "finish_reason": finish_reason(c.out) if done else None,
+                "stop_reason": stop_reason(c.out)}
 
-    @staticmethod
-    def _completion_choice(req: CompletionRequest, c: _Choice) -> dict[str, Any]:
+    def _completion_choice(self, req: CompletionRequest, c: _Choice) -> dict[str, Any]:
         head = c.prompt if req.echo and c.prompt is not None else ""
         logprobs = completion_logprobs(c.out, 0, len(head)) \
-            if c.params.logprobs is not None else None
-        return {"index": c.index, "text": head + c.out.text, "logprobs": logprobs,
-                "finish_reason": finish_reason(c.out)}
+            if c.logprobs else None
+        if logprobs is not None and req.echo and c.prompt_logprobs is not None:
+            tok = self.client.tokenizer
+            first = tok.decode(c.prompt_ids[:1], skip_special_tokens=False) if tok else ""
+            echoed = echo_logprobs(c.prompt_ids, c.prompt_logprobs, first)
+            logprobs = {k: echoed[k] + logprobs[k] for k in logprobs}
+        choice = {"index": c.index, "text": head + c.out.text, "logprobs": logprobs,
+                  "finish_reason": finish_reason(c.out), "stop_reason": stop_reason(c.out)}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(c.prompt_logprobs or [])
+        return choice
 
     def _chat_choice(self, req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(c.out, 0) if c.params.logprobs is not None else None
@@ -518,7 +614,8 @@ class Router:
             message = {"role": "assistant", "content": parts.content,
                        "reasoning_content": parts.reasoning}
         return {"index": c.index, "message": message,
-                "logprobs": logprobs, "finish_reason": finish_reason(c.out)}
+                "logprobs": logprobs, "finish_reason": finish_reason(c.out),
+                "stop_reason": stop_reason(c.out)}
 
 
 def config_from_args(args: dict[str, Any] | None) -> EngineConfig:
@@ -557,4 +654,5 @@ def app_for(config: EngineConfig) -> serve.Application:
         max_ongoing_requests=sv.max_ongoing_requests,
         autoscaling_config={"min_replicas": sv.min_replicas, "max_replicas": sv.max_replicas,
                             "target_ongoing_requests": sv.target_ongoing_requests})
-    return router.bind(cell, dataclasses.asdict(sv), served_model_name(config))
+    root = config.model.path or Path(DEFAULT_MODEL_FILE).name
+    return router.bind(cell, dataclasses.asdict(sv), served_model_name(config), root)

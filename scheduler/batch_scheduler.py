@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from kvcache.kv_cache_manager import KVCacheManager
+from kvcache.kv_cache_manager import KVCacheManager, PrefixHit
 from scheduler.config import SchedulerConfig
 from scheduler.protocol import (
     ContinuedSequence,
@@ -24,6 +24,7 @@ from scheduler.protocol import (
     SequenceOutput,
     StepOutput,
     StepPlan,
+    TokenLogprobs,
 )
 from scheduler.sequence import (
     SeqStatus,
@@ -179,7 +180,8 @@ class BatchScheduler:
                 break
             if self.tiers is not None and not self.tiers.admits(seq.num_tokens):
                 break
-            hit = self.kv.find_cached_prefix(seq.seq_id, seq.token_ids)
+            hit = (PrefixHit([], 0) if seq.needs_prompt_logprobs
+                   else self.kv.find_cached_prefix(seq.seq_id, seq.token_ids))
             num_new = seq.num_tokens - hit.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -220,11 +222,32 @@ class BatchScheduler:
             seq = self.seqs.get(out.seq_id)
             if seq is None:
                 continue  # aborted while the step ran
+            prompt_lps = self._new_prompt_logprobs(seq, out)
+            if not out.token_ids:   # a partial prefill chunk's prompt logprobs
+                if prompt_lps:
+                    updates.append(SeqUpdate(seq.request_id, seq.seq_id, seq.sample_index,
+                                             [], prompt_logprobs=prompt_lps))
+                continue
             if len(out.token_ids) > 1:
                 updates.extend(self._fork(seq, out))
             lps = out.logprobs[:1] if out.logprobs else None
-            updates.append(self._append(seq, out.token_ids[0], lps))
+            update = self._append(seq, out.token_ids[0], lps)
+            update.prompt_logprobs = prompt_lps
+            updates.append(update)
         return updates
+
+    @staticmethod
+    def _new_prompt_logprobs(seq: Sequence, out: SequenceOutput
+                             ) -> list[TokenLogprobs] | None:
+        """The prompt logprobs not reported yet (a recomputed prompt scores again what
+        was already sent)."""
+        if not out.prompt_logprobs:
+            return None
+        skip = max(0, seq.next_prompt_logprob - out.prompt_logprobs_start)
+        new = out.prompt_logprobs[skip:]
+        seq.next_prompt_logprob = max(seq.next_prompt_logprob,
+                                      out.prompt_logprobs_start + len(out.prompt_logprobs))
+        return new or None
 
     # ---- helpers -----------------------------------------------------------------------
     def _append(self, seq: Sequence, token: int, logprobs) -> SeqUpdate:

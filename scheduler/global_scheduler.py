@@ -41,6 +41,7 @@ from scheduler.batch_scheduler import BatchScheduler
 from scheduler.config import SchedulerConfig
 from scheduler.protocol import SamplingParams, StepOutput, TierStats, decode, encode
 from scheduler.sequence import SeqStatus, Sequence, SeqUpdate
+from scheduler.serving_stats import RequestTimes, ServingStats
 from scheduler.tiering import TierPlanner
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,7 @@ class _Worker:
 class _Request:
     seq: Sequence
     worker: _Worker | None   # None while its KV is being handed over
+    times: RequestTimes
     updates: list[SeqUpdate] = field(default_factory=list)
     done: bool = False
     error: Exception | None = None   # raised to the caller instead of an output
@@ -152,6 +154,7 @@ class GlobalScheduler:
         self.requests: dict[str, _Request] = {}
         self.clients: dict[str, set[str]] = {}   # client -> its requests still known
         self.num_recovered = 0
+        self.serving = ServingStats()
         self._pulse = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
 
@@ -184,7 +187,8 @@ class GlobalScheduler:
         if w is None:
             raise NoWorkersError("no live worker is left in this cluster; restart it")
         w.batch.add(request_id, prompt_token_ids, params, priority)
-        self.requests[request_id] = _Request(w.batch.seqs[request_id], w)
+        self.requests[request_id] = _Request(w.batch.seqs[request_id], w,
+                                             RequestTimes(time.monotonic()))
         if client is not None:
             self.clients.setdefault(client, set()).add(request_id)
         w.wake.set()
@@ -232,12 +236,14 @@ class GlobalScheduler:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(pulse.wait(), left)
 
-    async def abort(self, request_id: str) -> list[SeqUpdate]:
+    async def abort(self, request_id: str, reason: str = "abort") -> list[SeqUpdate]:
         """Finish a request now and free its blocks wherever they are; returns its
-        final update. Aborting an unknown or finished request is a no-op."""
+        final update. Aborting an unknown or finished request is a no-op. ``reason``
+        is what the metrics count it as: ``stop`` when the caller matched a stop string."""
         req = self.requests.pop(request_id, None)
         if req is None or req.done:
             return []
+        self.serving.finish(req.times, reason, time.monotonic())
         if req.worker is not None:
             req.worker.wake.set()
             return req.worker.batch.abort(request_id)
@@ -247,8 +253,13 @@ class GlobalScheduler:
         seq.finish_reason = "abort"
         return [SeqUpdate(request_id, seq.seq_id, seq.sample_index, [], None, "abort")]
 
+    async def record_error(self, kind: str) -> None:
+        """Count a request a router refused (by error kind), for the cell's metrics."""
+        self.serving.error(kind)
+
     async def stats(self) -> dict[str, Any]:
-        """Per-worker pool, queue, step-time, prefix-cache and transfer figures."""
+        """Per-worker pool, queue, step-time, prefix-cache, preemption and transfer
+        figures, and the cell's request-level ``serving`` totals."""
         workers = []
         for w in self.workers:
             t = w.times
@@ -266,6 +277,9 @@ class GlobalScheduler:
                 "mean_update_s": t.update_s / steps,
                 "step_times": asdict(t),   # sums, for windows: subtract two snapshots
                 "prefix_hit_rate": w.kv.stats.hit_rate,
+                "prefix_queried_tokens": w.kv.stats.queried_tokens,
+                "prefix_hit_tokens": w.kv.stats.hit_tokens,
+                "num_preemptions": w.batch.num_preemptions,
                 "kv_sent": asdict(w.sent), "kv_received": asdict(w.received),
                 "tiers": asdict(w.batch.tiers.usage()) if w.batch.tiers else None,
                 "tier_stats": asdict(w.tier_stats) if w.tier_stats else None,
@@ -274,7 +288,8 @@ class GlobalScheduler:
                 "num_requests": len(self.requests),
                 "num_waiting": sum(w.batch.num_waiting for w in self.workers if w.alive),
                 "num_handoffs": sum(1 for r in self.requests.values() if r.worker is None),
-                "num_recovered": self.num_recovered}
+                "num_recovered": self.num_recovered,
+                "serving": asdict(self.serving)}
 
     # ---- step loops ------------------------------------------------------------------
     async def _loop(self, w: _Worker) -> None:
@@ -309,8 +324,8 @@ class GlobalScheduler:
             updates = w.batch.update(output)
             self._publish(updates)
             if w.role == "prefill":
-                for u in updates:
-                    if u.finish_reason is None and u.seq_id in w.batch.seqs:
+                for u in updates:   # a prompt's first token: its KV moves on
+                    if u.new_token_ids and u.finish_reason is None and u.seq_id in w.batch.seqs:
                         self._start_handoff(w, w.batch.seqs[u.seq_id])
             t3 = time.perf_counter()
             w.reported_seqs = output.stats.num_seqs
@@ -324,13 +339,17 @@ class GlobalScheduler:
             t.last_step_s = t3 - t0
 
     def _publish(self, updates: list[SeqUpdate]) -> None:
+        now = time.monotonic()
         for u in updates:
             req = self.requests.get(u.request_id)
             if req is None:
                 continue
             req.updates.append(u)
+            self.serving.tokens(req.times, req.seq.num_prompt_tokens, len(u.new_token_ids),
+                                now)
             if u.finish_reason is not None:
                 req.done = True
+                self.serving.finish(req.times, u.finish_reason, now)
         if updates:
             self._notify()
 

@@ -82,12 +82,15 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the raw logits
+    prompt_logprobs: int | None = None   # top alternatives per prompt token (and its own)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -109,11 +112,16 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: got {s!r}; each stop string must be a non-empty str")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0, hi=None)
+        for t, bias in self.logit_bias.items():
+            _check_int("logit_bias", t, lo=0, hi=None, note="keys are token ids")
+            _check_float("logit_bias", bias, lo=-100.0, hi=100.0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: got {getattr(self, name)!r}; expected true or false")
@@ -250,11 +258,15 @@ class SequenceOutput:
 
     Normally one token; ``n`` tokens when an ``n > 1`` request's prompt completes
     (one per child, in sample-index order); none while a chunked prefill is partial.
+    ``prompt_logprobs`` (requests asking for them): the logprobs of the prompt tokens
+    from position ``prompt_logprobs_start`` on that this step's chunk predicted.
     """
 
     seq_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
 
 
 @dataclass
@@ -301,7 +313,7 @@ def encode(msg: Any) -> bytes:
 
 def decode(cls: type[T], data: bytes) -> T:
     """Rebuild a protocol dataclass of type ``cls`` from ``encode``'s output."""
-    return _from_plain(cls, msgpack.unpackb(data, raw=False))
+    return _from_plain(cls, msgpack.unpackb(data, raw=False, strict_map_key=False))
 
 
 def _to_plain(obj: Any) -> Any:

@@ -35,6 +35,14 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    next_prompt_logprob: int = 1   # the prompt position whose logprob is reported next
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all reported: its prompt must be computed,
+        not taken from the prefix cache."""
+        return (self.sampling.prompt_logprobs is not None
+                and self.next_prompt_logprob < self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +68,7 @@ class SeqUpdate:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None   # the next prompt positions'
 
 
 def child_seq_id(request_id: str, sample_index: int) -> str:

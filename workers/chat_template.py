@@ -13,6 +13,7 @@ import functools
 import json
 from collections.abc import Mapping
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -119,3 +120,22 @@ def render_chat_template(template: str | None, messages: list[dict[str, Any]], *
             **variables)
     except jinja2.TemplateError as exc:
         raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+def load_chat_template(value: str) -> str:
+    """A template given by the user (vLLM's ``--chat-template``): the path of a Jinja
+    file, or the template text itself; checked to compile."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif "{" in value:
+        template = value
+    else:
+        raise ValueError(f"chat_template: got {value!r}, which is neither an existing file "
+                         "nor Jinja template text; give a .jinja file's path or the template")
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat_template: the template from {value[:60]!r} does not compile: "
+                         f"{e}") from None
+    return template

@@ -39,6 +39,7 @@ from workers.loading import Checkpoint
 from workers.models.decoder import DecoderLM
 from workers.ops import get_ops
 from workers.ops.base import AttentionMetadata, PrefillSegment
+from workers.prompt_logprobs import prompt_span, score_prompt
 from workers.sampler import Sampler, SamplingRow
 from workers.sparse_attention import LongContextAttention, SeqTierState
 from workers.structured_output import StructuredOutputs
@@ -229,11 +230,21 @@ class ModelRunner:
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                         meta, sparse)
+        spans = [span for i, s in enumerate(scheduled) if (span := prompt_span(
+            s.seq_id, s.state.token_ids, s.state.num_prompt_tokens,
+            s.state.num_computed_tokens, s.num_tokens,
+            int(inputs.last_index[i]) - s.num_tokens + 1, s.state.sampling.prompt_logprobs))]
+        prompt_lps = (score_prompt(hidden, spans, self.sampler.vocab_size,
+                                   self.model.compute_logits) if spans else {})
+        starts = {span.seq_id: span.start for span in spans}
         for s in scheduled:
             s.state.num_computed_tokens += s.num_tokens
+        # A partial prefill chunk reports only the prompt logprobs it scored.
+        outputs = [SequenceOutput(s.seq_id, [], None, prompt_lps[s.seq_id], starts[s.seq_id])
+                   for i, s in enumerate(scheduled) if s.seq_id in prompt_lps and i not in done]
         if not done:
             timing.forward_s = time.perf_counter() - t1
-            return []
+            return outputs
         logits = self.model.compute_logits(
             hidden[torch.as_tensor(inputs.last_index[done], device=self.device)])
         t2 = time.perf_counter()
@@ -249,7 +260,6 @@ class ModelRunner:
         if len(rows) != len(done):
             logits = logits.repeat_interleave(torch.as_tensor(fanout), dim=0)
         result = self.sampler(logits, rows)
-        outputs: list[SequenceOutput] = []
         pos = 0
         for i, f in zip(done, fanout):
             s = scheduled[i]
@@ -258,7 +268,8 @@ class ModelRunner:
             s.state.token_ids.append(toks[0])
             if s.state.matcher is not None:
                 StructuredOutputs.advance(s.state.matcher, toks[0])
-            outputs.append(SequenceOutput(s.seq_id, toks, None if lps[0] is None else lps))
+            outputs.append(SequenceOutput(s.seq_id, toks, None if lps[0] is None else lps,
+                                          prompt_lps.get(s.seq_id), starts.get(s.seq_id, 0)))
         timing.sample_s = time.perf_counter() - t2
         return outputs
 

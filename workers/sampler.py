@@ -147,8 +147,8 @@ class Sampler:
         return logits[_index(which, logits.device)], [rows[i] for i in which]
 
     def _penalize(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Grammar masks, min_tokens bans, then repetition / presence / frequency penalties;
-        copies if any (the raw logits stay for logprobs)."""
+        """Grammar masks, min_tokens bans and logit biases (vLLM's order), then repetition /
+        presence / frequency penalties; copies if any (the raw logits stay for logprobs)."""
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for i, r in enumerate(rows):
@@ -160,7 +160,8 @@ class Sampler:
                 ban_ids.extend(banned)
         pen = [i for i, r in enumerate(rows) if r.params.needs_penalties]
         masked = [i for i, r in enumerate(rows) if r.grammar_mask is not None]
-        if not ban_ids and not pen and not masked:
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        if not ban_ids and not pen and not masked and not biased:
             return logits
         logits = logits.clone()
         if masked:
@@ -173,9 +174,19 @@ class Sampler:
                 logits[idx] = logits[idx].masked_fill_(banned, -torch.inf)
         if ban_ids:
             logits[_index(ban_rows, logits.device), _index(ban_ids, logits.device)] = -torch.inf
+        if biased:
+            self._apply_bias(logits, [rows[i].params.logit_bias for i in biased], biased)
         if pen:
             self._apply_penalties(logits, rows, pen)
         return logits
+
+    def _apply_bias(self, logits: torch.Tensor, biases: list[dict[int, float]],
+                    which: list[int]) -> None:
+        """In place: each row's bias added to its tokens (ids past the vocabulary ignored)."""
+        r, t = self._pairs([b.keys() for b in biases], which, logits.device)
+        values = [v for b in biases for tok, v in b.items() if 0 <= tok < self.vocab_size]
+        logits[r, t] = (logits[r, t] + torch.tensor(values, device=logits.device)
+                        ).clamp_(max=_FP32_MAX)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                          which: list[int]) -> None:

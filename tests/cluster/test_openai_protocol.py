@@ -1,4 +1,4 @@
-"""OpenAI request parsing, response pieces and the Prometheus rendering, without a server."""
+"""OpenAI request parsing and response pieces, without a server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from cluster.config import EngineConfig, config_from_dict, load_config, with_default_pools
-from cluster.metrics import Histogram, RouterMetrics
 from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -26,7 +25,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 def test_completion_request_fields_and_sampling_params():
     req = parse_request(CompletionRequest, {
         "model": "m", "prompt": [[1, 2], [3]], "max_tokens": 5, "temperature": 0,
-        "top_k": 4, "stop": "x", "seed": 10, "ignore_eos": True, "unknown_field": 1})
+        "top_k": 4, "stop": "x", "seed": 10, "ignore_eos": True})
     assert req.prompts == [[1, 2], [3]]
     sp = req.sampling_params(5, None, 11)
     assert (sp.max_tokens, sp.temperature, sp.top_k, sp.stop, sp.seed, sp.ignore_eos) == \
@@ -85,41 +84,6 @@ def test_streamable_text_holds_back_a_possible_stop_string():
     assert streamable_text(out, []) == "hello wor"
     out.finish_reason = "length"
     assert streamable_text(out, ["world"]) == "hello wor"
-
-
-def test_histogram_buckets_are_cumulative():
-    h = Histogram("x_seconds", "x", buckets=(0.1, 1.0))
-    for v in (0.05, 0.1, 0.5, 3.0):
-        h.observe(v)
-    assert h.render()[2:] == ['llm_cluster_x_seconds_bucket{le="0.1"} 2',
-                              'llm_cluster_x_seconds_bucket{le="1.0"} 3',
-                              'llm_cluster_x_seconds_bucket{le="+Inf"} 4',
-                              "llm_cluster_x_seconds_sum 3.65", "llm_cluster_x_seconds_count 4"]
-
-
-def test_router_metrics_tpot_and_scheduler_gauges():
-    m = RouterMetrics()
-    m.observe_request(arrival=10.0, first_token=10.5, end=12.5, num_tokens=5)
-    assert (m.ttft.total, m.tpot.total, m.e2e.total) == (0.5, 0.5, 2.5)
-    worker = {"worker_id": "decode-0", "role": "decode", "num_running": 3, "num_waiting": 1,
-              "num_used_blocks": 25, "num_blocks": 100, "num_free_blocks": 75,
-              "prefix_hit_rate": 0.5, "alive": True,
-              "kv_received": {"bytes": 1024, "seconds": 0.25, "count": 2},
-              "kv_sent": {"failures": 0}}
-    text = m.render({"workers": [worker], "num_recovered": 0})
-    assert 'llm_cluster_kv_cache_usage_ratio{role="decode",worker="decode-0"} 0.25' in text
-    assert 'llm_cluster_kv_transfer_bytes_total{role="decode",worker="decode-0"} 1024' in text
-    assert "host_kv" not in text   # long contexts off: no tier series
-    worker["tiers"] = {"host_blocks": 64, "host_used": 16, "sparse_seqs": 1,
-                       "offloaded_seqs": 2}
-    worker["tier_stats"] = {"offloaded_blocks": 40, "received_blocks": 8,
-                            "recalled_blocks": 96, "recall_hits": 32}
-    text = m.render({"workers": [worker], "num_recovered": 0})
-    labels = '{role="decode",worker="decode-0"}'
-    for line in (f"host_kv_usage_ratio{labels} 0.25", f"num_requests_offloaded{labels} 2",
-                 f"kv_offloaded_blocks_total{labels} 40", f"kv_recall_hits_total{labels} 32",
-                 f"kv_host_received_blocks_total{labels} 8"):
-        assert f"llm_cluster_{line}" in text
 
 
 def test_presets_validate_and_default_yaml_is_the_serving_default():

@@ -329,8 +329,10 @@ def test_health_and_metrics(server, client):
     assert httpx.get(f"{server}/health", timeout=_START_TIMEOUT_S).json()["status"] == "ok"
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0)
     text = httpx.get(f"{server}/metrics", timeout=_START_TIMEOUT_S).text
-    for name in ("time_to_first_token_seconds_count", "time_per_output_token_seconds_bucket",
-                 "e2e_request_latency_seconds_sum", 'kv_cache_usage_ratio{role="decode"',
-                 "prefix_cache_hit_rate", "kv_transfer_bytes_total", "errors_total",
-                 'requests_total{finish_reason="length"}'):
+    for name in (f'kv_cache_usage_ratio{{model_name="{MODEL}",role="decode"',
+                 "prefix_cache_hit_rate", "kv_transfer_bytes_total", "errors_total"):
         assert f"llm_cluster_{name}" in text, name
+    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_sum",
+                 f'request_success_total{{finished_reason="length",model_name="{MODEL}"}}'):
+        assert f"vllm:{name}" in text, name

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from workers.chat_template import load_chat_template
 from workers.loading.gguf_checkpoint import converted_dir
 from workers.loading.hf_checkpoint import load_weights, read_hf_config, weight_files
+from workers.loading.hub import is_hub_id, resolve_hub_model
 from workers.model_config import ModelArchConfig
 from workers.tokenizer import Tokenizer
 
@@ -67,14 +69,29 @@ def default_model_path() -> str:
 
 
 def load_checkpoint(model: str | None = None, dtype: torch.dtype = torch.float32,
-                    tokenizer: str | None = None) -> Checkpoint:
+                    tokenizer: str | None = None, chat_template: str | None = None
+                    ) -> Checkpoint:
     """Load ``model`` (None: the default GGUF; a directory: HF; a ``.gguf`` file: GGUF).
 
+    ``org/name``: that model id's snapshot in the local Hugging Face cache.
     ``tokenizer``: an HF tokenizer directory to use instead of the checkpoint's own.
+    ``chat_template``: a Jinja file or template text replacing the tokenizer's.
     """
+    checkpoint = _load(model, dtype, tokenizer)
+    if chat_template is not None:
+        if checkpoint.tokenizer is None:
+            raise ValueError("chat_template: this checkpoint has no tokenizer to apply it to; "
+                             "give model.tokenizer as well")
+        checkpoint.tokenizer.chat_template = load_chat_template(chat_template)
+    return checkpoint
+
+
+def _load(model: str | None, dtype: torch.dtype, tokenizer: str | None) -> Checkpoint:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype: got {dtype!r}; use a floating torch dtype such as "
                          f"torch.float32, torch.bfloat16 or torch.float16")
+    if model is not None and is_hub_id(model):
+        model = str(resolve_hub_model(model))
     path = Path(model if model is not None else default_model_path()).expanduser().resolve()
     override = Tokenizer.from_hf_dir(tokenizer) if tokenizer is not None else None
     if path.is_dir():
