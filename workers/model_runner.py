@@ -97,8 +97,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if decode_graph_sizes is None:
             decode_graph_sizes = CUDA_GRAPH_SIZES if device.type == "cuda" else ()
+        # Only a host pool in the plain ND layout can live in a segment peers map.
         self.kv_segment = (SharedSegment(num_blocks * self.kv_shape.bytes_per_block)
-                           if shared_pool and device.type == "cpu" else None)
+                           if shared_pool and device.type == "cpu"
+                           and self.kv_shape.layout == LAYOUT_ND else None)
         if self.kv_segment is not None:
             self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
                                                self.kv_segment.buffer)

@@ -92,7 +92,7 @@ FLAG_VALUES = {   # flag -> (argument, the config value it must give)
     "--block-size": ("32", 32), "--kv-cache-dtype": ("float16", "float16"),
     "--gpu-memory-utilization": ("0.5", 0.5), "--dtype": ("half", "float16"),
     "--chat-template": ("{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
-    "--seed": ("11", 11),
+    "--seed": ("11", 11), "--reasoning-parser": ("qwen3", "qwen3"),
 }
 
 
