@@ -234,3 +234,24 @@ def test_tiny_qwen_round_trip_renders_calls_and_results_as_transformers(tiny_cli
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
     expected = hf(text, add_special_tokens=False)["input_ids"]
     assert answer.usage.prompt_tokens == len(expected)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "messages": QUESTION + [
+        {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": "{city: Paris"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
+     "messages.1.tool_calls.0.function.arguments"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(server, extra, param):
+    import httpx
+
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 4, **extra}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=_TIMEOUT_S)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
