@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from cluster.reasoning import REASONING_PARSERS
+from cluster.tool_calls import TOOL_CALL_PARSERS
 from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
@@ -162,6 +163,9 @@ class ServingConfig:
     that leave them out, over the model's own (``model.generation_config``).
     ``reasoning_parser`` (vLLM's flag): ``qwen3`` or ``deepseek_r1`` moves ``<think>``
     text into ``reasoning_content``; null leaves it in the answer.
+    ``tool_call_parser`` (vLLM's flag): the format tool calls are read in and forced to,
+    ``hermes`` (``<tool_call>`` JSON: Qwen2.5/Qwen3, SmolLM2) or ``llama3_json``; null
+    picks it from the chat template.
     """
 
     host: str = "127.0.0.1"
@@ -175,8 +179,13 @@ class ServingConfig:
     max_ongoing_requests: int = 512
     default_sampling: dict[str, float] = field(default_factory=dict)
     reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: got {self.tool_call_parser!r}; allowed: "
+                             f"{', '.join(TOOL_CALL_PARSERS)}, or null to pick it from the "
+                             "chat template")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser: got {self.reasoning_parser!r}; allowed: "
                              f"{', '.join(REASONING_PARSERS)}, or null for none")

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster.openai_structured import StructuredFields
+from cluster.openai_tools import MessageToolCall, ToolFields
 from cluster.outputs import CompletionOutput, Logprob
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
@@ -142,16 +143,28 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def as_template_input(self) -> dict[str, Any]:
+    def as_template_input(self, param: str = "messages") -> dict[str, Any]:
+        """The message as chat templates expect it (``param``: its place in the request,
+        named by errors)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": content or ""}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.as_template_input(f"{param}.tool_calls.{i}")
+                                     for i, c in enumerate(self.tool_calls)]
+        for name in ("tool_call_id", "name"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(ToolFields, _SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -204,8 +217,11 @@ class Usage:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def finish_reason(out: CompletionOutput) -> str | None:
-    """OpenAI knows stop and length; an aborted sequence reports none."""
+def finish_reason(out: CompletionOutput, called: bool = False) -> str | None:
+    """OpenAI knows stop and length, and tool_calls for an output that stopped with calls
+    (``called``); an aborted sequence reports none."""
+    if called and out.finish_reason == "stop":
+        return "tool_calls"
     return out.finish_reason if out.finish_reason in ("stop", "length") else None
 
 

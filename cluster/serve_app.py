@@ -55,6 +55,7 @@ from cluster.openai_protocol import (
 from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, Logprob
 from cluster.reasoning import ReasoningParser
+from cluster.tool_calls import ToolCallParser, ToolCallSplit, parser_for_template, template_messages
 from scheduler.global_scheduler import NoWorkersError, OverloadedError
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
@@ -134,6 +135,7 @@ class _Choice:
     sent_content: int = 0
     hide_logprobs: bool = False   # asked for only to rank best_of samples
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # its prompt's
+    calls_sent: bool = False   # with tool calls expected: their deltas went out
 
     @property
     def logprobs(self) -> bool:
@@ -221,6 +223,9 @@ class Router:
         self.reasoning = (ReasoningParser(self.serving.reasoning_parser)
                           if self.serving.reasoning_parser else None)
         self.model_root = model_root
+        template = info.tokenizer.template_for(True) if info.tokenizer is not None else None
+        self.tool_parser = ToolCallParser(self.serving.tool_call_parser
+                                          or parser_for_template(template))
         self.created = int(time.time())
 
     # ---- endpoints -------------------------------------------------------------------
@@ -350,7 +355,8 @@ class Router:
         if not req.prompts:
             raise APIError(400, "prompt: got an empty list; give a prompt", param="prompt")
         prompts = [self._tokenize(p, add_special_tokens=True) for p in req.prompts]
-        choices = self._choices(req, prompts, req.max_tokens, req.logprobs)
+        choices = self._choices(req, prompts, req.max_tokens, req.logprobs,
+                                _structured_spec(req))
         return await self._respond(req, choices, "cmpl", self._completion_chunk,
                                    self._completion_choice)
 
@@ -368,8 +374,15 @@ class Router:
             raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set "
                            "here; use the request's own fields", param="chat_template_kwargs")
         try:
-            text = tok.apply_chat_template([m.as_template_input() for m in req.messages],
-                                           add_generation_prompt=True, **extra)
+            messages = [m.as_template_input(f"messages.{i}") for i, m in enumerate(req.messages)]
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        tools = req.tool_dicts()
+        messages = template_messages(messages, tools, tok.template_for(bool(tools)),
+                                     self.tool_parser)
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                           **extra)
         except Exception as e:   # a template's own refusal, e.g. roles out of order
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            param="messages") from None
@@ -378,9 +391,23 @@ class Router:
         if top is not None and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
-        choices = self._choices(req, [prompt], req.output_limit, logprobs)
+        choices = self._choices(req, [prompt], req.output_limit, logprobs,
+                                self._chat_structured(req))
         return await self._respond(req, choices, "chatcmpl", self._chat_chunk,
                                    self._chat_choice)
+
+    def _chat_structured(self, req: ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """The chat request's one constraint: its tool choice's or its response format's."""
+        spec = _structured_spec(req)
+        try:
+            forcing = req.tool_forcing(self.tool_parser)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if forcing is not None and spec is not None:
+            raise APIError(400, "tool_choice: forces a tool call, which cannot also follow "
+                           "the request's response format / structured output; send one",
+                           param="tool_choice")
+        return forcing or spec
 
     def _tokenize(self, prompt: str | list[int], add_special_tokens: bool,
                   param: str = "prompt") -> tuple[str | None, list[int]]:
@@ -391,7 +418,8 @@ class Router:
             raise APIError(400, f"{param}: {e}", param=param, code=code) from None
 
     def _choices(self, req: Any, prompts: list[tuple[str | None, list[int]]],
-                 max_tokens: int | None, logprobs: int | None) -> list[_Choice]:
+                 max_tokens: int | None, logprobs: int | None,
+                 structured: StructuredOutputsParams | None) -> list[_Choice]:
         """One choice per prompt and sample, each with its own parameters: ``n`` samples a
         prompt, or ``best_of`` to keep the best ``n`` of (ranked by their logprobs, which
         are then asked for and shown only if the request wanted them)."""
@@ -414,7 +442,6 @@ class Router:
             raise APIError(400, f"logit_bias: got the token id {bad[0]}; this model's ids "
                            f"lie in [0, {self.client.vocab_size})", param="logit_bias")
         limit = self.client.max_model_len
-        structured = _structured_spec(req)
         choices = []
         for text, ids in prompts:
             if max_tokens is not None and len(ids) + max_tokens > limit:
@@ -433,7 +460,7 @@ class Router:
         return choices
 
     async def _respond(self, req: Any, choices: list[_Choice], prefix: str,
-                       chunk: Callable[..., dict[str, Any] | None],
+                       chunk: Callable[..., list[dict[str, Any]]],
                        final: Callable[[Any, _Choice], dict[str, Any]]) -> Response:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         await self._submit(request_id, choices)
@@ -507,21 +534,19 @@ class Router:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _sse(self, req: Any, request_id: str, choices: list[_Choice], kind: str,
-                   chunk: Callable[..., dict[str, Any] | None]
+                   chunk: Callable[..., list[dict[str, Any]]]
                    ) -> AsyncIterator[str]:
-        """The streamed answer: a chunk per choice whenever its text grows, the usage
+        """The streamed answer: chunks per choice whenever its text grows, the usage
         chunk if asked for, then ``[DONE]``. A client that goes away cancels this
         generator, which aborts every choice still running."""
         created = int(time.time())
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         try:
             for c in choices:
-                head = chunk(req, c, first=True)
-                if head is not None:
+                for head in chunk(req, c, first=True):
                     yield _event(self._chunk(request_id, chunk_kind, created, req, [head]))
             async for c in self._progress(choices):
-                body = chunk(req, c, first=False)
-                if body is not None:
+                for body in chunk(req, c, first=False):
                     yield _event(self._chunk(request_id, chunk_kind, created, req, [body]))
             if req.include_usage:
                 tail = envelope(chunk_kind, request_id, self.model_name, created)
@@ -553,43 +578,75 @@ class Router:
         return new, start, c.out.finished
 
     def _completion_chunk(self, req: CompletionRequest, c: _Choice,
-                          first: bool) -> dict[str, Any] | None:
+                          first: bool) -> list[dict[str, Any]]:
         if first:
             if not req.echo or c.prompt is None:
-                return None
-            return {"index": c.index, "text": c.prompt, "logprobs": None,
-                    "finish_reason": None}
+                return []
+            return [{"index": c.index, "text": c.prompt, "logprobs": None,
+                     "finish_reason": None}]
         new, start, done = self._delta(c)
         if not new and not done:
-            return None
+            return []
         logprobs = completion_logprobs(c.out, start, 0) if c.params.logprobs is not None \
             else None
-        return {"index": c.index, "text": new, "logprobs": logprobs,
-                "finish_reason": finish_reason(c.out) if done else None,
-                "stop_reason": stop_reason(c.out)}
+        return [{"index": c.index, "text": new, "logprobs": logprobs,
+                 "finish_reason": finish_reason(c.out) if done else None,
+                 "stop_reason": stop_reason(c.out)}]
 
     def _chat_chunk(self, req: ChatCompletionRequest, c: _Choice,
-                    first: bool) -> dict[str, Any] | None:
+                    first: bool) -> list[dict[str, Any]]:
+        """A choice's next chunks: its new text, and once it has finished with tool calls,
+        OpenAI's tool-call deltas (per call: index, id and name, then the arguments)."""
         if first:
-            return {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}
+            return [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None}]
         new, start, done = self._delta(c)
         delta = {"content": new} if new else {}
-        if self.reasoning is not None:
-            parts = self.reasoning.split(streamable_text(c.out, c.params.stop), done)
+        calls = []
+        if self.reasoning is not None or req.calls_expected():
+            reasoning, content, split = self._answer_parts(
+                req, streamable_text(c.out, c.params.stop), done)
             delta = {}
-            if parts.reasoning is not None and len(parts.reasoning) > c.sent_reasoning:
-                delta["reasoning_content"] = parts.reasoning[c.sent_reasoning:]
-            if len(parts.content) > c.sent_content:
-                delta["content"] = parts.content[c.sent_content:]
-            c.sent_reasoning = len(parts.reasoning or "")
-            c.sent_content = len(parts.content)
+            if reasoning is not None and len(reasoning) > c.sent_reasoning:
+                delta["reasoning_content"] = reasoning[c.sent_reasoning:]
+            if len(content or "") > c.sent_content:
+                delta["content"] = content[c.sent_content:]
+            c.sent_reasoning, c.sent_content = len(reasoning or ""), len(content or "")
+            calls = split.calls if split is not None and not c.calls_sent else []
+            c.calls_sent = c.calls_sent or bool(calls)
         if not delta and not done:
-            return None
+            return []
         logprobs = chat_logprobs(c.out, start) if c.params.logprobs is not None else None
-        return {"index": c.index, "delta": delta,
-                "logprobs": logprobs, "finish_reason": finish_reason(c.out) if done else None,
+        body = {"index": c.index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason(c.out) if done else None,
                 "stop_reason": stop_reason(c.out)}
+        if not calls:
+            return [body]
+        out = [{**body, "finish_reason": None}]
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            args = {"index": i, "function": {"arguments": call.arguments}}
+            out += [{"index": c.index, "delta": {"tool_calls": [part]}, "logprobs": None,
+                     "finish_reason": None} for part in (head, args)]
+        out[-1]["finish_reason"] = finish_reason(c.out, called=True)
+        return out
+
+    def _answer_parts(self, req: ChatCompletionRequest, text: str, done: bool
+                      ) -> tuple[str | None, str | None, ToolCallSplit | None]:
+        """An output's reasoning (with a reasoning parser), its content so far (all of it
+        once done, else what can be streamed) and, once done with calls expected, the
+        calls parsed from it."""
+        reasoning, content = None, text
+        if self.reasoning is not None:
+            parts = self.reasoning.split(text, done)
+            reasoning, content = parts.reasoning, parts.content
+        if not req.calls_expected():
+            return reasoning, content, None
+        if not done:
+            return reasoning, self.tool_parser.streamable_content(content), None
+        split = self.tool_parser.parse(content)
+        return reasoning, split.content, split
 
     def _completion_choice(self, req: CompletionRequest, c: _Choice) -> dict[str, Any]:
         head = c.prompt if req.echo and c.prompt is not None else ""
@@ -608,13 +665,15 @@ class Router:
 
     def _chat_choice(self, req: ChatCompletionRequest, c: _Choice) -> dict[str, Any]:
         logprobs = chat_logprobs(c.out, 0) if c.params.logprobs is not None else None
-        message: dict[str, Any] = {"role": "assistant", "content": c.out.text}
+        reasoning, content, split = self._answer_parts(req, c.out.text, True)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if self.reasoning is not None:
-            parts = self.reasoning.split(c.out.text, True)
-            message = {"role": "assistant", "content": parts.content,
-                       "reasoning_content": parts.reasoning}
-        return {"index": c.index, "message": message,
-                "logprobs": logprobs, "finish_reason": finish_reason(c.out),
+            message["reasoning_content"] = reasoning
+        calls = split.calls if split is not None else []
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
+        return {"index": c.index, "message": message, "logprobs": logprobs,
+                "finish_reason": finish_reason(c.out, called=bool(calls)),
                 "stop_reason": stop_reason(c.out)}
 
 

@@ -24,10 +24,12 @@ class TinyModel:
     hf: torch.nn.Module  # the transformers model, fp32, eval mode: the oracle
 
 
-def _hf_config(arch: str, max_positions: int | None = None):
+def _hf_config(arch: str, max_positions: int | None = None, vocab_size: int | None = None):
     import transformers as tf
 
     tiny = TINY if max_positions is None else {**TINY, "max_position_embeddings": max_positions}
+    if vocab_size is not None:
+        tiny = {**tiny, "vocab_size": vocab_size}
     if arch == "llama":
         return tf.LlamaConfig(**tiny, tie_word_embeddings=False)
     if arch == "llama3-rope":
@@ -46,7 +48,7 @@ def _hf_config(arch: str, max_positions: int | None = None):
 
 
 def build_tiny(arch: str, directory: Path, seed: int = 0,
-               max_positions: int | None = None) -> TinyModel:
+               max_positions: int | None = None, vocab_size: int | None = None) -> TinyModel:
     """A random checkpoint of ``arch`` saved as an HF directory, and its HF model.
 
     ``pangu`` is saved with openPangu-Embedded's config keys (``bias``) but its oracle
@@ -55,7 +57,7 @@ def build_tiny(arch: str, directory: Path, seed: int = 0,
     import transformers as tf
 
     torch.manual_seed(seed)
-    cfg = _hf_config(arch, max_positions)
+    cfg = _hf_config(arch, max_positions, vocab_size)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # larger biases than the init gives, so they matter
         for name, p in model.named_parameters():
@@ -103,3 +105,10 @@ def default_model_path() -> str:
     from workers.loading import default_model_path as find
 
     return find()
+
+
+@pytest.fixture(scope="session")
+def tiny_builder():
+    """``build_tiny`` itself, for a test that needs a checkpoint of its own shape (e.g. a
+    vocabulary that fits a tokenizer it writes)."""
+    return build_tiny

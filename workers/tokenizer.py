@@ -131,14 +131,19 @@ class Tokenizer:
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
         """The prompt text for ``messages``; raises ``ValueError`` if it cannot be rendered."""
-        template = self.chat_template
-        if tools and self._settings.tool_chat_template:
-            template = self._settings.tool_chat_template
+        template = self.template_for(bool(tools))
         special = {name: value for name in _SPECIAL_TOKEN_NAMES
                    if (value := getattr(self._settings, name)) is not None}
         return render_chat_template(template, messages,
                                     add_generation_prompt=add_generation_prompt, tools=tools,
                                     special_tokens=special, **kwargs)
+
+    def template_for(self, tools: bool) -> str | None:
+        """The chat template a request uses: the named ``tool_use`` one when it has tools
+        and the checkpoint has one."""
+        if tools and self._settings.tool_chat_template:
+            return self._settings.tool_chat_template
+        return self.chat_template
 
     def _token_id(self, token: str | None, role: str) -> int | None:
         if token is None:
