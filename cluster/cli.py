@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from cluster.config import ConfigError
+from workers.ops.quant_linear import QUANTIZATIONS
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -65,7 +66,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     flags = {("model", "path"): args.model, ("serving", "host"): args.host,
              ("serving", "port"): args.port, ("serving", "api_key"): args.api_key,
-             ("serving", "model_name"): args.served_name}
+             ("serving", "model_name"): args.served_name,
+             ("model", "quantization"): args.quantization}
     config = with_default_pools(with_overrides(
         load_config(args.config), {k: v for k, v in flags.items() if v is not None}))
     sv = config.serving
@@ -152,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: serving.api_key or $LLM_CLUSTER_API_KEY; none: open)")
     srv.add_argument("--served-name", help="the model id clients send (default: "
                      "serving.model_name, else the checkpoint's name)")
+    srv.add_argument("--quantization", choices=QUANTIZATIONS,
+                     help="int8 linear layers: w8a8 (int8 activations too) or w8a16 "
+                     "(default: model.quantization, none)")
     _add_common(srv)
     srv.set_defaults(func=_cmd_serve)
     batch = sub.add_parser(

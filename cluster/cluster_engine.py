@@ -249,7 +249,8 @@ class ClusterEngine(ClusterClient):
                                              tokenizer=mc.tokenizer)
         self.model_config = ckpt.config
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
-                          config.cache, config.scheduler.max_model_len, 1, config.long_context)
+                          config.cache, config.scheduler.max_model_len, 1, config.long_context,
+                          mc.quantization)
         self.workers: dict[str, Any] = {}
         try:
             refs = self._start_workers(spec)

@@ -23,6 +23,7 @@ from kvcache.long_context import LongContextConfig, from_environment, log_source
 from scheduler.config import SchedulerConfig
 from workers.device import DEVICES
 from workers.ops import OPS_BACKENDS
+from workers.ops.quant_linear import check_quantization
 from workers.worker import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -39,7 +40,9 @@ class ModelConfig:
     ``path`` None is the embedded default model; otherwise an HF checkpoint
     directory or a ``.gguf`` file. fp32 is the default because bf16/fp16 matrix
     products are hundreds of times slower on CPUs. ``ops`` ``torch`` forces the
-    reference kernels (the oracle) instead of the device's own.
+    reference kernels (the oracle) instead of the device's own. ``quantization``:
+    ``w8a8`` (int8 weights and per-token int8 activations) or ``w8a16`` (int8 weights,
+    fp activations) for the decoder layers' linear layers, made at load.
     """
 
     path: str | None = None
@@ -48,6 +51,7 @@ class ModelConfig:
     device: str = "auto"
     seed: int = 0
     ops: str = "auto"
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,6 +60,7 @@ class ModelConfig:
             raise ValueError(f"device: got {self.device!r}; allowed: {', '.join(DEVICES)}")
         if self.ops not in OPS_BACKENDS:
             raise ValueError(f"ops: got {self.ops!r}; allowed: {', '.join(OPS_BACKENDS)}")
+        check_quantization(self.quantization)
 
 
 @dataclass

@@ -63,13 +63,15 @@ class ModelRunner:
     def __init__(self, checkpoint: Checkpoint, cache: CacheConfig, device: torch.device,
                  max_model_len: int, dtype: torch.dtype = torch.float32, seed: int = 0,
                  num_blocks: int | None = None, ops: str = "auto",
-                 long_context: LongContextConfig | None = None) -> None:
+                 long_context: LongContextConfig | None = None,
+                 quantization: str = "none") -> None:
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
         self.block_size = cache.block_size
         self.ops = get_ops(device, ops)
-        self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype)
+        self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype,
+                               quantization)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
         self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
                                 cfg.head_dim, kv_dtype)

@@ -40,6 +40,7 @@ class WorkerSpec:
     max_model_len: int | None
     num_threads: int
     long_context: LongContextConfig | None = None
+    quantization: str = "none"
 
 
 @dataclass
@@ -65,7 +66,8 @@ class Worker:
         model_max = ckpt.config.max_position_embeddings
         self.runner = ModelRunner(ckpt, spec.cache, resolve_device(spec.device),
                                   max_model_len=spec.max_model_len or model_max, dtype=dtype,
-                                  seed=spec.seed, ops=spec.ops, long_context=spec.long_context)
+                                  seed=spec.seed, ops=spec.ops, long_context=spec.long_context,
+                                  quantization=spec.quantization)
         self.meta = KVLayoutMeta.from_shape(self.runner.kv_shape, ckpt.fingerprint)
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from workers.ops.quant_linear import Int8Weight
+
 
 @dataclass
 class PrefillSegment:
@@ -54,12 +56,15 @@ class AttentionMetadata:
 class Ops(Protocol):
     name: str
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack_linear(self, weight: torch.Tensor | Int8Weight,
+                    quantization: str = "none") -> torch.Tensor | Int8Weight:
         """``weight`` [out, in] in the layout ``linear`` reads fastest, made once at load
-        time; the result may be opaque to everything but ``linear``."""
+        time; the result may be opaque to everything but ``linear``. ``quantization``
+        ``w8a8``/``w8a16`` makes it int8 (see ``quant_linear``); an ``Int8Weight`` (a
+        pre-quantized checkpoint) is taken as it is."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` for ``weight`` from ``pack_linear`` of W."""
         ...

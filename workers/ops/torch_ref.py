@@ -7,17 +7,29 @@ import torch
 import torch.nn.functional as F
 
 from workers.ops.base import AttentionMetadata
+from workers.ops.quant_linear import Int8Weight, quantize_weight, w8a8_linear, w8a16_blocked
 
 
 class TorchOps:
     name = "torch"
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight
+    def pack_linear(self, weight: torch.Tensor | Int8Weight,
+                    quantization: str = "none") -> torch.Tensor | Int8Weight:
+        if isinstance(weight, Int8Weight) or quantization == "none":
+            return weight
+        return quantize_weight(weight, quantization)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return self.int8_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.scheme == "w8a8":
+            return w8a8_linear(x, weight, bias)
+        return w8a16_blocked(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
