@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 @dataclass
@@ -13,6 +13,8 @@ class CacheConfig:
 
     ``kv_cache_bytes`` is the pool's budget; when None, CPU workers take
     ``DEFAULT_CPU_KV_BYTES`` and accelerators ``memory_fraction`` of free memory.
+    ``kv_dtype`` ``int8`` stores symmetric int8 with a scale per token and KV head
+    (``kv_quant``); ``auto`` is the compute dtype.
     """
 
     block_size: int = 16

@@ -16,6 +16,9 @@ import torch
 
 @dataclass(frozen=True)
 class KVShape:
+    """``head_dim``: elements stored per (token, KV head) row, ``kv_quant.row_width``
+    (an int8 row also holds its scale)."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int

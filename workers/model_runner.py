@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kvcache.config import CacheConfig
+from kvcache.kv_quant import row_width
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
 from kvcache.long_context import LongContextConfig
 from scheduler.protocol import (
@@ -74,7 +75,7 @@ class ModelRunner:
                                quantization)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
         self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
-                                cfg.head_dim, kv_dtype)
+                                row_width(cfg.head_dim, kv_dtype), kv_dtype)
         if num_blocks is None:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks

@@ -35,7 +35,8 @@ from workers.ops.torch_ref import TorchOps
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # KV written by the kernel
+DECODE_KV_DTYPES = (*KERNEL_DTYPES, torch.int8)  # KV the decode kernel reads
 W8A16_KERNEL_ROWS = 16  # the C++ weight-only int8 kernel's batch limit (see its source)
 
 
@@ -144,7 +145,7 @@ class CpuOps(TorchOps):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if q.dtype != torch.float32 or kv_cache.dtype not in KERNEL_DTYPES:
+        if q.dtype != torch.float32 or kv_cache.dtype not in DECODE_KV_DTYPES:
             return super()._decode(q, kv_cache, meta, scale)
         tables, lens = meta.decode_head_tables, meta.decode_head_lens
         if tables is None:
