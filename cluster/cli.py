@@ -112,6 +112,10 @@ BENCHMARKS = {
                             "selected blocks capture on real text, against the oracle top-k"),
     "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
+    "quantization": ("quantization", "batch-1 decode with fp32, w8a16 and w8a8 linear "
+                     "layers against HF and llama.cpp; KV capacity of int8 against fp16"),
+    "quantization-quality": ("quantization_quality", "int8 linear layers and int8 KV against "
+                             "HF fp32: teacher-forced top-1 agreement and perplexity"),
 }
 
 
