@@ -92,3 +92,18 @@ def test_unknown_quantization_fails_at_start_naming_the_choices():
                                           r"w8a8, w8a16"):
         config_from_dict({"model": {"quantization": "int4"}})
     assert config_from_dict({"model": {"quantization": "w8a16"}}).model.quantization == "w8a16"
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w8a16"])
+def test_a_worker_quantizes_its_decoder_layers_not_its_lm_head(tiny_factory, quantization):
+    """The setting reaches a Ray worker's model through its spec (plain values)."""
+    from kvcache.config import CacheConfig
+    from workers.worker import Worker, WorkerSpec
+
+    spec = WorkerSpec(tiny_factory("llama").path, None, "float32", "cpu", 0, "auto",
+                      CacheConfig(kv_cache_bytes=1 << 20), None, 1, quantization=quantization)
+    model = Worker(spec, "mixed").runner.model
+    layer = model.layers[0]
+    for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
+        assert isinstance(w, Int8Weight) and w.scheme == quantization
+    assert not isinstance(model.lm_head, Int8Weight)
