@@ -1,15 +1,18 @@
 """``python -m cluster bench quantization``: batch-1 decode speed of the default model
 with fp32, w8a16 and w8a8 linear layers, against HF transformers ``generate`` and
-llama.cpp (on the GGUF's own Q4_1 weights), and how many sequences one KV budget holds
-with int8 against fp16 KV.
+llama.cpp (on the GGUF's own Q4_1 weights); Workload A's offline throughput with w8a8
+and int8 KV against fp32 with fp16 KV (the offline benchmark's engine setting); and how
+many sequences one KV budget holds with int8 against fp16 KV.
 
 Decode: one request at a time, a short prompt and ``--tokens`` greedy tokens (EOS
 ignored), so the time is the decode steps; every configuration runs once per round, in
 rotating order, for ``--rounds`` rounds in one process on the same prompt; the median
-round is reported with its ratio to llama.cpp. Capacity: the KV blocks the engine
+round is reported with its ratio to llama.cpp. Workload A: ``--requests`` requests of
+``benchmarks.workloads.WORKLOAD_A`` (seed 0) submitted at once, prefix caching off, the
+two engines alternating for ``--rounds`` rounds. Capacity: the KV blocks the engine
 allocates in ``--kv-bytes``, from its own pool sizing.
 
-    python -m cluster bench quantization [--tokens 64] [--rounds 3]
+    python -m cluster bench quantization [--tokens 64] [--rounds 3] [--requests 64]
 """
 
 from __future__ import annotations
@@ -82,6 +85,32 @@ def decode_speeds(tokens: int, rounds: int) -> dict[str, list[float]]:
     return speeds
 
 
+def workload_a_speeds(requests: int, rounds: int) -> dict[str, list[float]]:
+    """Output tokens/s of Workload A, per round, for fp32 + fp16 KV and w8a8 + int8 KV."""
+    import json
+
+    from benchmarks.workloads import WORKLOAD_A, generate
+
+    vocab = json.loads((default_hf_dir() / "config.json").read_text())["vocab_size"]
+    work = generate(WORKLOAD_A, requests, 0, vocab)
+    inputs = [{"prompt_token_ids": p} for p in work.prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in work.max_tokens]
+    engines = {label: LLM(device="cpu", enable_prefix_caching=False, kv_cache_dtype=kv,
+                          quantization=q)
+               for label, q, kv in (("fp32, fp16 KV", "none", "float16"),
+                                    ("w8a8, int8 KV", "w8a8", "int8"))}
+    speeds: dict[str, list[float]] = {label: [] for label in engines}
+    names = list(engines)
+    for r in range(rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            start = time.perf_counter()
+            outs = engines[name].generate(inputs, params)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            speeds[name].append(tokens / (time.perf_counter() - start))
+    return speeds
+
+
 def kv_capacity(kv_bytes: int) -> dict[str, int]:
     """Blocks of the default model's KV that ``kv_bytes`` holds, per KV dtype."""
     return {dtype: LLM(device="cpu", kv_cache_bytes=kv_bytes,
@@ -94,6 +123,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--kv-bytes", type=int, default=256 << 20, help="KV budget for capacity")
+    p.add_argument("--requests", type=int, default=64, help="Workload A requests (default 64)")
     args = p.parse_args(argv)
     speeds = decode_speeds(args.tokens, args.rounds)
     ref = statistics.median(speeds["llama.cpp Q4_1"]) if "llama.cpp Q4_1" in speeds else None
@@ -103,6 +133,13 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         ratio = f"{statistics.median(s) / ref:.2f}x" if ref else "n/a"
         print(f"| {name} | {statistics.median(s):.1f} | {', '.join(f'{x:.1f}' for x in s)} "
               f"| {ratio} |")
+    a = workload_a_speeds(args.requests, args.rounds)
+    base = statistics.median(a["fp32, fp16 KV"])
+    print(f"\nWorkload A, {args.requests} requests, median of {args.rounds} interleaved rounds"
+          "\n\n| engine | output tok/s (median) | rounds | ÷ fp32 |\n|---|---|---|---|")
+    for name, s in a.items():
+        print(f"| {name} | {statistics.median(s):.1f} | {', '.join(f'{x:.1f}' for x in s)} "
+              f"| {statistics.median(s) / base:.2f}x |")
     cap = kv_capacity(args.kv_bytes)
     print(f"\nKV capacity in {args.kv_bytes >> 20} MiB: fp16 {cap['float16']} blocks, int8 "
           f"{cap['int8']} blocks: {cap['int8'] / cap['float16']:.3f}x the sequences")
