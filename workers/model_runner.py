@@ -74,6 +74,9 @@ class ModelRunner:
         self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype,
                                quantization)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
+        if kv_dtype == torch.int8 and not self.ops.int8_kv:
+            raise ValueError(f"cache.kv_dtype: got 'int8'; the {self.ops.name} ops have no int8 "
+                             "KV: use auto, float32, float16 or bfloat16 on this device")
         self.kv_shape = KVShape(cfg.num_layers, cache.block_size, cfg.num_kv_heads,
                                 row_width(cfg.head_dim, kv_dtype), kv_dtype)
         if num_blocks is None:

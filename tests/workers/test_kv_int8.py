@@ -130,3 +130,15 @@ def test_preemption_recomputes_what_a_roomy_pool_computes(tiny_factory):
     assert tight.engine.scheduler.num_preemptions > 0
     assert roomy.engine.scheduler.num_preemptions == 0
     assert outs[0] == outs[1]
+
+
+def test_int8_kv_on_ops_without_it_fails_at_start(tiny_factory, monkeypatch):
+    import workers.model_runner as model_runner
+
+    class NoInt8(TorchOps):
+        name, int8_kv = "no-int8", False
+
+    monkeypatch.setattr(model_runner, "get_ops", lambda device, backend: NoInt8())
+    with pytest.raises(ValueError, match="kv_dtype: got 'int8'; the no-int8 ops have no int8"):
+        LLM(tiny_factory("llama").path, device="cpu", kv_cache_bytes=1 << 20,
+            kv_cache_dtype="int8")

@@ -55,6 +55,7 @@ class AttentionMetadata:
 
 class Ops(Protocol):
     name: str
+    int8_kv: bool   # whether write_kv and attention handle an int8 pool (kvcache/kv_quant.py)
 
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
                     quantization: str = "none") -> torch.Tensor | Int8Weight:

@@ -13,6 +13,7 @@ from workers.ops.quant_linear import Int8Weight, quantize_weight, w8a8_linear, w
 
 class TorchOps:
     name = "torch"
+    int8_kv = True
 
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
                     quantization: str = "none") -> torch.Tensor | Int8Weight:
