@@ -188,10 +188,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.long_context.enabled:
             return
-        if self.cache.kv_dtype == "int8":
-            raise ConfigError("cache.kv_dtype: got 'int8' with long_context.enabled; the "
-                              "long-context tiers need a float KV cache: use float16 or "
-                              "bfloat16, or disable long_context")
         try:
             self.long_context.check_block_size(self.cache.block_size)
         except ValueError as e:

@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from kvcache.kv_quant import dequantize_rows
 from kvcache.long_context import SUMMARY_KINDS
 
 
@@ -32,9 +33,10 @@ def summary_width(kind: str) -> int:
 
 def summarize(keys: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
     """Summaries [n, S, KVH, D] (fp32) of ``keys`` [n, block_size, KVH, D], of which each
-    block's first ``counts[i]`` rows are written (the rest are ignored)."""
+    block's first ``counts[i]`` rows are written (the rest are ignored); int8 keys (rows
+    of D + 2, ``kv_quant``) are summarized dequantized."""
     n, bs = keys.shape[:2]
-    k = keys.float()
+    k = dequantize_rows(keys, torch.float32) if keys.dtype == torch.int8 else keys.float()
     valid = (torch.arange(bs, device=keys.device)[None, :] < counts[:, None])[..., None, None]
     if kind == "mean":
         total = torch.where(valid, k, 0.0).sum(1)

@@ -22,6 +22,11 @@ def row_width(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
+def value_width(row: int, dtype: torch.dtype) -> int:
+    """The head size of stored rows ``row`` elements wide (``row_width``'s inverse)."""
+    return row - SCALE_BYTES if dtype == torch.int8 else row
+
+
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` [..., head_dim] as int8 rows [..., head_dim + 2] (values, then scale)."""
     xf = x.float()

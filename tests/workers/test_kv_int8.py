@@ -107,9 +107,7 @@ def test_prefix_cache_hit_logits_equal_a_cold_run(tiny_factory):
     torch.testing.assert_close(rows["hit"], rows["cold"], atol=1e-5, rtol=0)
 
 
-def test_int8_kv_with_long_context_is_refused_at_start():
-    with pytest.raises(ConfigError, match="cache.kv_dtype: got 'int8' with long_context"):
-        config_from_dict({"cache": {"kv_dtype": "int8"}, "long_context": {"enabled": True}})
+def test_an_unknown_kv_dtype_is_refused_naming_the_choices():
     with pytest.raises(ConfigError, match="kv_dtype: got 'int4'; allowed: .*int8"):
         config_from_dict({"cache": {"kv_dtype": "int4"}})
 
@@ -142,3 +140,16 @@ def test_int8_kv_on_ops_without_it_fails_at_start(tiny_factory, monkeypatch):
     with pytest.raises(ValueError, match="kv_dtype: got 'int8'; the no-int8 ops have no int8"):
         LLM(tiny_factory("llama").path, device="cpu", kv_cache_bytes=1 << 20,
             kv_cache_dtype="int8")
+
+
+def test_block_summaries_of_int8_keys_are_of_the_dequantized_keys():
+    from kvcache.block_summary import summarize
+    from kvcache.kv_quant import quantize_rows
+
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(3, BS, KVH, D, generator=g)
+    counts = torch.tensor([BS, 5, 1])
+    for kind in ("mean", "minmax"):
+        got = summarize(quantize_rows(keys), counts, kind)
+        want = summarize(by_definition(keys).float(), counts, kind)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
