@@ -28,6 +28,7 @@ from benchmarks.peers import llama_cpp
 from benchmarks.peers.common import NUM_THREADS, default_hf_dir
 from cluster import LLM, SamplingParams
 
+PARTS = ("decode", "workload-a", "capacity")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -124,23 +125,35 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--kv-bytes", type=int, default=256 << 20, help="KV budget for capacity")
     p.add_argument("--requests", type=int, default=64, help="Workload A requests (default 64)")
+    p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="what to run")
     args = p.parse_args(argv)
-    speeds = decode_speeds(args.tokens, args.rounds)
+    if "decode" in args.parts:
+        print_decode(args.tokens, args.rounds)
+    if "workload-a" in args.parts:
+        print_workload_a(args.requests, args.rounds)
+    if "capacity" in args.parts:
+        cap = kv_capacity(args.kv_bytes)
+        print(f"\nKV capacity in {args.kv_bytes >> 20} MiB: fp16 {cap['float16']} blocks, "
+              f"int8 {cap['int8']} blocks: {cap['int8'] / cap['float16']:.3f}x the sequences")
+    return 0
+
+
+def print_decode(tokens: int, rounds: int) -> None:
+    speeds = decode_speeds(tokens, rounds)
     ref = statistics.median(speeds["llama.cpp Q4_1"]) if "llama.cpp Q4_1" in speeds else None
-    print(f"\nBatch-1 decode, {args.tokens} tokens, median of {args.rounds} interleaved "
+    print(f"\nBatch-1 decode, {tokens} tokens, median of {rounds} interleaved "
           "rounds\n\n| configuration | tok/s (median) | rounds | ÷ llama.cpp |\n|---|---|---|---|")
     for name, s in speeds.items():
         ratio = f"{statistics.median(s) / ref:.2f}x" if ref else "n/a"
         print(f"| {name} | {statistics.median(s):.1f} | {', '.join(f'{x:.1f}' for x in s)} "
               f"| {ratio} |")
-    a = workload_a_speeds(args.requests, args.rounds)
+
+
+def print_workload_a(requests: int, rounds: int) -> None:
+    a = workload_a_speeds(requests, rounds)
     base = statistics.median(a["fp32, fp16 KV"])
-    print(f"\nWorkload A, {args.requests} requests, median of {args.rounds} interleaved rounds"
+    print(f"\nWorkload A, {requests} requests, median of {rounds} interleaved rounds"
           "\n\n| engine | output tok/s (median) | rounds | ÷ fp32 |\n|---|---|---|---|")
     for name, s in a.items():
         print(f"| {name} | {statistics.median(s):.1f} | {', '.join(f'{x:.1f}' for x in s)} "
               f"| {statistics.median(s) / base:.2f}x |")
-    cap = kv_capacity(args.kv_bytes)
-    print(f"\nKV capacity in {args.kv_bytes >> 20} MiB: fp16 {cap['float16']} blocks, int8 "
-          f"{cap['int8']} blocks: {cap['int8'] / cap['float16']:.3f}x the sequences")
-    return 0
