@@ -128,6 +128,10 @@ BENCHMARKS = {
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
     "long-context-oracle": ("long_context_oracle", "teacher-forced agreement with the oracle's "
                             "block selection: the ceiling any summary can reach"),
+    "quantization": ("quantization", "batch-1 decode with fp32, w8a16 and w8a8 linear "
+                     "layers against HF and llama.cpp; KV capacity of int8 against fp16"),
+    "quantization-quality": ("quantization_quality", "int8 linear layers and int8 KV against "
+                             "HF fp32: teacher-forced top-1 agreement and perplexity"),
 }
 
 

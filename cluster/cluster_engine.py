@@ -251,7 +251,8 @@ class ClusterEngine(ClusterClient):
         self.model_config = ckpt.config
         self.sampling_defaults = sampling_defaults(config)
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
-                          config.cache, config.scheduler.max_model_len, 1, config.long_context)
+                          config.cache, config.scheduler.max_model_len, 1, config.long_context,
+                          mc.quantization)
         self.workers: dict[str, Any] = {}
         try:
             refs = self._start_workers(spec)

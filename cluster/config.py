@@ -31,6 +31,7 @@ from workers.loading.generation_defaults import (
     resolve_sampling_defaults,
 )
 from workers.ops import OPS_BACKENDS
+from workers.ops.quant_linear import check_quantization
 from workers.worker import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -52,7 +53,9 @@ class ModelConfig:
     (vLLM's flag): where requests' sampling defaults come from: ``auto`` the
     checkpoint's ``generation_config.json``, ``vllm`` none, or a directory holding one.
     ``chat_template``: a Jinja file, or the template itself, replacing the checkpoint's
-    (vLLM's ``--chat-template``).
+    (vLLM's ``--chat-template``). ``quantization``: ``w8a8`` (int8 weights and per-token
+    int8 activations) or ``w8a16`` (int8 weights, fp activations) for the decoder layers'
+    linear layers, made at load.
     """
 
     path: str | None = None
@@ -63,6 +66,7 @@ class ModelConfig:
     seed: int = 0
     ops: str = "auto"
     generation_config: str = "auto"
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -75,6 +79,7 @@ class ModelConfig:
                 and not Path(self.generation_config).is_dir():
             raise ValueError(f"generation_config: got {self.generation_config!r}; allowed: "
                              "auto, vllm, or an existing folder with a generation_config.json")
+        check_quantization(self.quantization)
 
 
 @dataclass

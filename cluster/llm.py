@@ -28,7 +28,7 @@ PromptInput = str | dict[str, Any] | Sequence[int]
 _OVERRIDES = {
     "model": ("model", "path"), "tokenizer": ("model", "tokenizer"),
     "dtype": ("model", "dtype"), "device": ("model", "device"), "seed": ("model", "seed"),
-    "ops": ("model", "ops"),
+    "ops": ("model", "ops"), "quantization": ("model", "quantization"),
     "block_size": ("cache", "block_size"), "kv_cache_bytes": ("cache", "kv_cache_bytes"),
     "kv_cache_dtype": ("cache", "kv_dtype"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
@@ -48,7 +48,7 @@ class LLM:
         arguments (``dtype``, ``device``, ``seed``, ``block_size``, ``kv_cache_bytes``,
         ``enable_prefix_caching``, ``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``scheduling_policy``,
-        ``tokenizer``, ``kv_cache_dtype``, ``ops``) override it."""
+        ``tokenizer``, ``kv_cache_dtype``, ``ops``, ``quantization``) override it."""
         unknown = sorted(set(kwargs) - set(_OVERRIDES))
         if unknown:
             allowed = ", ".join(["model", "config", *(k for k in _OVERRIDES if k != "model")])

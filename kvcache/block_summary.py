@@ -26,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from kvcache.kv_quant import dequantize_rows
+
 _WIDTHS = {"mean": 1, "minmax": 2, "hybrid": 3}
 
 
@@ -36,12 +38,13 @@ def summary_width(kind: str) -> int:
 
 def summarize(keys: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
     """Summaries [n, S, KVH, D] (fp32) of ``keys`` [n, block_size, KVH, D], of which each
-    block's first ``counts[i]`` rows are written (the rest are ignored)."""
+    block's first ``counts[i]`` rows are written (the rest are ignored); int8 keys (rows
+    of D + 2, ``kv_quant``) are summarized dequantized."""
     if kind == "hybrid":
         return torch.cat((summarize(keys, counts, "minmax"), summarize(keys, counts, "mean")),
                          dim=1)
     n, bs = keys.shape[:2]
-    k = keys.float()
+    k = dequantize_rows(keys, torch.float32) if keys.dtype == torch.int8 else keys.float()
     valid = (torch.arange(bs, device=keys.device)[None, :] < counts[:, None])[..., None, None]
     if kind == "mean":
         total = torch.where(valid, k, 0.0).sum(1)

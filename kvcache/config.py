@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 
 
 @dataclass
@@ -14,7 +14,8 @@ class CacheConfig:
     ``kv_cache_bytes`` is the pool's budget; when None, CPU workers take
     ``DEFAULT_CPU_KV_BYTES`` and accelerators ``memory_fraction`` of free memory.
     ``block_size`` None is the device's own (16; 128 on Ascend NPUs, whose paged-attention
-    kernels are built for it).
+    kernels are built for it). ``kv_dtype`` ``int8`` stores symmetric int8 with a scale per
+    token and KV head (``kv_quant``); ``auto`` is the compute dtype.
     """
 
     block_size: int | None = None

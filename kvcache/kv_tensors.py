@@ -19,6 +19,9 @@ from kvcache.kv_layout import LAYOUT_ND, block_shape
 
 @dataclass(frozen=True)
 class KVShape:
+    """``head_dim``: elements stored per (token, KV head) row, ``kv_quant.row_width``
+    (an int8 row also holds its scale)."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int

@@ -20,6 +20,7 @@ from llguidance import LLMatcher
 
 from kvcache.config import CacheConfig
 from kvcache.kv_layout import LAYOUT_ND
+from kvcache.kv_quant import row_width
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
 from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import SharedSegment
@@ -75,11 +76,13 @@ class ModelRunner:
                  long_context: LongContextConfig | None = None,
                  shared_pool: bool = False,
                  decode_graph_sizes: Sequence[int] | None = None,
-                 graph_capture: Capture | None = None) -> None:
+                 graph_capture: Capture | None = None,
+                 quantization: str = "none") -> None:
         """``shared_pool``: a host pool lives in a segment peers on this node can map;
         ``decode_graph_sizes``: batch sizes whose decode-only steps replay a captured
         graph (None: ``CUDA_GRAPH_SIZES`` on CUDA, none elsewhere); ``graph_capture``
-        records one (None: ``cuda_capture``)."""
+        records one (None: ``cuda_capture``); ``quantization``: the linear layers'
+        (``w8a8``, ``w8a16`` or ``none``)."""
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
@@ -88,10 +91,14 @@ class ModelRunner:
         if self.ops.kv_layout != LAYOUT_ND and long_context is not None and long_context.enabled:
             raise ValueError(f"long_context: the {self.ops.kv_layout.upper()} KV layout of this "
                              "device has no sparse attention; disable long_context")
-        self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype)
+        self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype,
+                               quantization)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
+        if kv_dtype == torch.int8 and not self.ops.int8_kv:
+            raise ValueError(f"cache.kv_dtype: got 'int8'; the {self.ops.name} ops have no int8 "
+                             "KV: use auto, float32, float16 or bfloat16 on this device")
         self.kv_shape = KVShape(cfg.num_layers, self.block_size, cfg.num_kv_heads,
-                                cfg.head_dim, kv_dtype, self.ops.kv_layout)
+                                row_width(cfg.head_dim, kv_dtype), kv_dtype, self.ops.kv_layout)
         if num_blocks is None:
             num_blocks = self.kv_shape.num_blocks_for(_kv_budget(cache, device))
         self.num_blocks = num_blocks

@@ -19,6 +19,7 @@ import torch
 
 from kvcache.block_summary import ExactSelector, combine, summarize, summary_width
 from kvcache.host_tier import HostKVStore
+from kvcache.kv_quant import value_width
 from kvcache.kv_tensors import KVShape
 from kvcache.kv_transfer import HostRows, ImportedBlocks
 from kvcache.long_context import KVMode, LongContextConfig
@@ -98,7 +99,8 @@ class LongContextAttention:
         self.shape = shape
         self.per_block = config.retrieval_block_size // shape.block_size
         self.summaries = torch.zeros((shape.num_layers, num_blocks, summary_width(config.summary),
-                                      shape.num_kv_heads, shape.head_dim), device=device)
+                                      shape.num_kv_heads, value_width(shape.head_dim, shape.dtype)),
+                                     device=device)
         host_blocks = config.host_budget // shape.bytes_per_block
         self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu")
         self.selector = ExactSelector(config.summary)

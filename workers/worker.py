@@ -56,6 +56,7 @@ class WorkerSpec:
     max_model_len: int | None
     num_threads: int
     long_context: LongContextConfig | None = None
+    quantization: str = "none"
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Worker:
         self.runner = ModelRunner(ckpt, spec.cache, resolve_device(spec.device),
                                   max_model_len=spec.max_model_len or model_max, dtype=dtype,
                                   seed=spec.seed, ops=spec.ops, long_context=spec.long_context,
-                                  shared_pool=True)
+                                  shared_pool=True, quantization=spec.quantization)
         self.meta = KVLayoutMeta.from_shape(self.runner.kv_shape, ckpt.fingerprint)
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:

@@ -32,9 +32,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in (230, 350, 420, 90)]
 
 
-def make_llm(path: str, long_context: dict | None, chunk: int = 2048) -> LLM:
+def make_llm(path: str, long_context: dict | None, chunk: int = 2048,
+             kv_dtype: str = "auto") -> LLM:
     return LLM(config=config_from_dict({
-        "model": {"path": path}, "cache": {"kv_cache_bytes": 4 << 20},
+        "model": {"path": path}, "cache": {"kv_cache_bytes": 4 << 20, "kv_dtype": kv_dtype},
         "scheduler": {"max_num_batched_tokens": chunk},
         "long_context": long_context or {}}))
 
@@ -59,16 +60,18 @@ def generate(llm: LLM) -> tuple[list[list[int]], dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("arch", "kv_dtype"), [(a, "auto") for a in ARCHS] + [("llama", "int8")])
 @pytest.mark.parametrize("chunk", [2048, 96], ids=["whole", "chunked"])
-def test_full_budget_is_bit_identical_to_dense(tiny_long_factory, arch, chunk):
+def test_full_budget_is_bit_identical_to_dense(tiny_long_factory, arch, kv_dtype, chunk):
+    """int8 KV too: its rows go to the host tier and back as stored, and its summaries
+    are of the dequantized keys."""
     path = tiny_long_factory(arch).path
-    dense_tokens, dense_rows = generate(make_llm(path, None, chunk))
+    dense_tokens, dense_rows = generate(make_llm(path, None, chunk, kv_dtype))
     for mode in ("sparse", "offload"):
         regions = {**REGIONS, "top_k_percent": 1.0}
         if mode == "sparse":
             regions["offload_boundary"] = 2048
-        llm = make_llm(path, regions, chunk)
+        llm = make_llm(path, regions, chunk, kv_dtype)
         tokens, rows = generate(llm)
         assert tokens == dense_tokens, mode
         assert rows.keys() == dense_rows.keys()

@@ -34,9 +34,11 @@ def _step(worker: Worker, plan: StepPlan) -> list[int]:
     return [t for o in out.outputs for t in o.token_ids]
 
 
-def test_handoff_between_workers_continues_bit_exact(tiny_factory):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_handoff_between_workers_continues_bit_exact(tiny_factory, kv_dtype):
+    """int8 blocks carry their scales inside them, so they arrive bit-exact too."""
     path = tiny_factory("llama").path
-    prefill, decode_w = _worker(path, "prefill"), _worker(path, "decode")
+    prefill, decode_w = _worker(path, "prefill", kv_dtype), _worker(path, "decode", kv_dtype)
     first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
                                                          GREEDY)]))
     info, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
@@ -66,16 +68,17 @@ def test_every_transport_moves_the_blocks_bit_exact(tiny_factory, plan):
         assert torch.equal(src[:, [2, 0, 1]], dst[:, [7, 3, 9]])
 
 
-@pytest.mark.parametrize("other", ["kv_dtype", "model"])
+@pytest.mark.parametrize("other", ["kv_dtype", "int8_kv", "model"])
 def test_a_batch_for_another_pool_is_refused_untouched(tiny_factory, other):
     path = tiny_factory("llama").path
     sender = _worker(path)
     receiver = (_worker(path, kv_dtype="float16") if other == "kv_dtype"
+                else _worker(path, kv_dtype="int8") if other == "int8_kv"
                 else _worker(tiny_factory("qwen2").path))
     _step(sender, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40, GREEDY)]))
     _, batch = sender.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
     before = [kv.clone() for kv in receiver.runner.kv_caches]
-    with pytest.raises(KVTransferError, match="dtype" if other == "kv_dtype" else "fingerprint"):
+    with pytest.raises(KVTransferError, match="fingerprint" if other == "model" else "dtype"):
         receiver.import_kv(batch, [0, 1, 2])
     assert all(torch.equal(a, b) for a, b in zip(before, receiver.runner.kv_caches))
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from workers.chat_template import load_chat_template
+from workers.loading.compressed_tensors import int8_ignored
 from workers.loading.gguf_checkpoint import converted_dir
 from workers.loading.hf_checkpoint import load_weights, read_hf_config, weight_files
 from workers.loading.hub import is_hub_id, resolve_hub_model
@@ -126,7 +127,8 @@ def _load_directory(directory: Path, dtype: torch.dtype, tokenizer: Tokenizer | 
     config_dict, generation = read_hf_config(directory)
     config = ModelArchConfig.from_hf_config(config_dict, generation)
     files = weight_files(directory)
-    weights = load_weights(files, config, dtype)
+    weights = load_weights(files, config, dtype,
+                           int8_ignored(config_dict.get("quantization_config")))
     tok = tokenizer or _own_tokenizer(directory)
     if tok is not None:
         tok.add_eos_token_ids(config.eos_token_ids)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from workers.loading.compressed_tensors import is_ignored
 from workers.model_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
@@ -92,11 +93,19 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
     return shapes
 
 
-def load_weights(files: list[Path], config: ModelArchConfig,
-                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_weights(files: list[Path], config: ModelArchConfig, dtype: torch.dtype,
+                 int8_ignored: list[str] | None = None) -> dict[str, torch.Tensor]:
     """The parameters the model needs, in ``dtype``; extra tensors (a tied ``lm_head``,
-    rotary caches) are dropped, missing or misshapen ones are an error."""
+    rotary caches) are dropped, missing or misshapen ones are an error.
+
+    ``int8_ignored`` (a W8A8 int8 checkpoint, see ``compressed_tensors``): the decoder
+    layers' linear weights not ignored stay int8, with their ``weight_scale``."""
     expected = expected_weight_shapes(config)
+    int8 = set()
+    if int8_ignored is not None:
+        int8 = {n for n in expected if n.startswith("model.layers.") and n.endswith("_proj.weight")
+                and not is_ignored(n, int8_ignored)}
+        expected |= {n.removesuffix("weight") + "weight_scale": (expected[n][0], 1) for n in int8}
     weights: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
     for file in files:
@@ -116,7 +125,10 @@ def load_weights(files: list[Path], config: ModelArchConfig,
         raise ValueError(f"{where}: {len(missing)} weights needed by {config.architecture} are "
                          f"missing, e.g. {', '.join(missing[:5])}")
     wrong = [f"{n} {tuple(t.shape)} (expected {expected[n]})" for n, t in weights.items()
-             if tuple(t.shape) != expected[n]]
+             if tuple(t.shape) != expected[n] and not (n.endswith("weight_scale")
+                                                      and tuple(t.shape) == expected[n][:1])]
+    wrong += [f"{n} {t.dtype} (expected {'int8' if n in int8 else 'a float dtype'})"
+              for n, t in weights.items() if (n in int8) != (t.dtype == torch.int8)]
     if wrong:
         raise ValueError(f"{where}: weights do not match config.json: {'; '.join(wrong[:5])}")
     return weights

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from workers.model_config import ModelArchConfig
 from workers.ops.base import AttentionMetadata, Ops
+from workers.ops.quant_linear import Int8Weight
 
 if TYPE_CHECKING:
     from workers.sparse_attention import SparseStep
@@ -50,39 +51,57 @@ def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelArchConfig) -> torch.Tensor
     return torch.where(medium, blended, scaled)
 
 
+def _linear(ops: Ops, w: dict[str, torch.Tensor], names: list[str],
+            quantization: str) -> torch.Tensor | Int8Weight:
+    """The named projections fused along their outputs, packed by the ops. Int8 weights
+    (a pre-quantized checkpoint, with ``<name>.weight_scale`` per output channel) stay
+    int8: they are used as stored, as ``w8a8`` unless ``w8a16`` is asked for."""
+    weights = [w[n + ".weight"] for n in names]
+    if weights[0].dtype == torch.int8:
+        scheme = "w8a16" if quantization == "w8a16" else "w8a8"
+        scales = torch.cat([w[n + ".weight_scale"].reshape(-1) for n in names])
+        return ops.pack_linear(Int8Weight.from_int8(scheme, torch.cat(weights), scales))
+    return ops.pack_linear(torch.cat(weights), quantization)
+
+
 class DecoderLayer:
-    """One layer's weights; the four matrices as ``ops.pack_linear`` lays them out."""
+    """One layer's weights; the four matrices as ``ops.pack_linear`` lays them out
+    (int8 under ``quantization``; norms stay in the compute dtype)."""
 
     def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str,
-                 ops: Ops) -> None:
+                 ops: Ops, quantization: str = "none") -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.qkv_w = ops.pack_linear(torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"],
-                                                w[a + "v_proj.weight"]]))
+        self.qkv_w = _linear(ops, w, [a + "q_proj", a + "k_proj", a + "v_proj"], quantization)
         self.qkv_b = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
                                  w[a + "v_proj.bias"]]) if cfg.qkv_bias else None)
-        self.o_w = ops.pack_linear(w[a + "o_proj.weight"])
+        self.o_w = _linear(ops, w, [a + "o_proj"], quantization)
         self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         self.q_norm = w[a + "q_norm.weight"] if cfg.qk_norm else None
         self.k_norm = w[a + "k_norm.weight"] if cfg.qk_norm else None
         self.in_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
-        self.gate_up_w = ops.pack_linear(torch.cat([w[m + "gate_proj.weight"],
-                                                    w[m + "up_proj.weight"]]))
-        self.down_w = ops.pack_linear(w[m + "down_proj.weight"])
+        self.gate_up_w = _linear(ops, w, [m + "gate_proj", m + "up_proj"], quantization)
+        self.down_w = _linear(ops, w, [m + "down_proj"], quantization)
 
 
 class DecoderLM:
+    """``quantization`` (``w8a8``, ``w8a16``) makes the decoder layers' linear layers
+    int8; the embedding and the LM head stay in the compute dtype."""
+
     def __init__(self, cfg: ModelArchConfig, weights: dict[str, torch.Tensor], ops: Ops,
-                 max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+                 max_positions: int, device: torch.device, dtype: torch.dtype,
+                 quantization: str = "none") -> None:
         _check_weights(cfg, weights)
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        w = {k: v.to(device=device, dtype=torch.float32 if k.endswith(".weight_scale")
+                      else v.dtype if v.dtype == torch.int8 else dtype)
+             for k, v in weights.items()}
         self.cfg = cfg
         self.ops = ops
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = ops.pack_linear(self.embed if cfg.tie_word_embeddings
                                        else w["lm_head.weight"])
         self.norm = w["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops)
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops, quantization)
                        for i in range(cfg.num_layers)]
         cos, sin = rope_tables(cfg, max_positions, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)

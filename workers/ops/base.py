@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 from kvcache.kv_tensors import KVShape
+from workers.ops.quant_linear import Int8Weight
 
 
 @dataclass
@@ -56,18 +57,22 @@ class AttentionMetadata:
 class Ops(Protocol):
     name: str
     kv_layout: str   # the pool layout this backend's KV ops read and write (kv_layout.py)
+    int8_kv: bool   # whether write_kv and attention handle an int8 pool (kvcache/kv_quant.py)
 
     def allocate_kv(self, shape: KVShape, num_blocks: int,
                     device: torch.device) -> list[torch.Tensor]:
         """The pool's per-layer KV tensors, zeroed, in ``shape.layout``."""
         ...
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+    def pack_linear(self, weight: torch.Tensor | Int8Weight,
+                    quantization: str = "none") -> torch.Tensor | Int8Weight:
         """``weight`` [out, in] in the layout ``linear`` reads fastest, made once at load
-        time; the result may be opaque to everything but ``linear``."""
+        time; the result may be opaque to everything but ``linear``. ``quantization``
+        ``w8a8``/``w8a16`` makes it int8 (see ``quant_linear``); an ``Int8Weight`` (a
+        pre-quantized checkpoint) is taken as it is."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` for ``weight`` from ``pack_linear`` of W."""
         ...

@@ -29,12 +29,15 @@ import torch.nn.functional as F
 
 from workers.loading.checkpoint import cache_root
 from workers.ops.base import AttentionMetadata
+from workers.ops.quant_linear import Int8Weight
 from workers.ops.torch_ref import TorchOps
 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # KV written by the kernel
+DECODE_KV_DTYPES = (*KERNEL_DTYPES, torch.int8)  # KV the decode kernel reads
+W8A16_KERNEL_ROWS = 16  # the C++ weight-only int8 kernel's batch limit (see its source)
 
 
 @functools.cache
@@ -86,16 +89,30 @@ class CpuOps(TorchOps):
 
     name = "cpu"
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        if weight.dtype != torch.float32 or onednn_linear_problem() is not None:
-            return weight
+    def pack_linear(self, weight: torch.Tensor | Int8Weight,
+                    quantization: str = "none") -> torch.Tensor | Int8Weight:
+        if (isinstance(weight, Int8Weight) or quantization != "none"
+                or weight.dtype != torch.float32 or onednn_linear_problem() is not None):
+            return super().pack_linear(weight, quantization)
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if not weight.is_mkldnn:
+        if isinstance(weight, Int8Weight) or not weight.is_mkldnn:
             return super().linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+    def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """w8a16 decode batches read the int8 weight in the C++ kernel."""
+        rows = x.numel() // x.shape[-1]
+        if weight.scheme != "w8a16" or x.dtype != torch.float32 or rows > W8A16_KERNEL_ROWS:
+            return super().int8_linear(x, weight, bias)
+        out = torch.ops.llm_cluster.int8_weight_linear(
+            x.reshape(rows, x.shape[-1]).contiguous(), weight.qweight, weight.scale)
+        if bias is not None:
+            out.add_(bias)
+        return out.reshape(*x.shape[:-1], weight.out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
@@ -128,7 +145,7 @@ class CpuOps(TorchOps):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if q.dtype != torch.float32 or kv_cache.dtype not in KERNEL_DTYPES:
+        if q.dtype != torch.float32 or kv_cache.dtype not in DECODE_KV_DTYPES:
             return super()._decode(q, kv_cache, meta, scale)
         tables, lens = meta.decode_head_tables, meta.decode_head_lens
         if tables is None:

@@ -34,6 +34,7 @@ def load_flash_attn() -> Callable | None:
 
 class CudaOps(TorchOps):
     name = "cuda"
+    int8_kv = False   # flash-attn and the SDPA path read float pools only
 
     def __init__(self, flash_attn_with_kvcache: Callable | None) -> None:
         self.flash = flash_attn_with_kvcache

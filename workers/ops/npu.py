@@ -41,6 +41,7 @@ FIA_MASK_SIZE = 2048      # sparse_mode 3 reads a fixed 2048x2048 causal mask
 
 class NpuOps(TorchOps):
     name = "npu"
+    int8_kv = False   # its KV-write and paged-attention calls take float pools only
 
     def __init__(self, torch_npu: ModuleType, soc_name: str) -> None:
         self.npu = torch_npu

@@ -7,24 +7,38 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.kv_layout import LAYOUT_ND
+from kvcache.kv_quant import dequantize_rows, quantize_rows
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from workers.ops.base import AttentionMetadata
+from workers.ops.quant_linear import Int8Weight, quantize_weight, w8a8_linear, w8a16_blocked
 
 
 class TorchOps:
     name = "torch"
     kv_layout = LAYOUT_ND
+    int8_kv = True
 
     def allocate_kv(self, shape: KVShape, num_blocks: int,
                     device: torch.device) -> list[torch.Tensor]:
         return allocate_kv_cache(shape, num_blocks, device)
 
-    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight
+    def pack_linear(self, weight: torch.Tensor | Int8Weight,
+                    quantization: str = "none") -> torch.Tensor | Int8Weight:
+        if isinstance(weight, Int8Weight) or quantization == "none":
+            return weight
+        return quantize_weight(weight, quantization)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, Int8Weight):
+            return self.int8_linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.scheme == "w8a8":
+            return w8a8_linear(x, weight, bias)
+        return w8a16_blocked(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
@@ -48,9 +62,10 @@ class TorchOps:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        _, nb, bs, kvh, hd = kv_cache.shape
-        kv_cache[0].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-        kv_cache[1].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        _, nb, bs, kvh, width = kv_cache.shape
+        for i, x in enumerate((k, v)):
+            rows = quantize_rows(x) if kv_cache.dtype == torch.int8 else x.to(kv_cache.dtype)
+            kv_cache[i].view(nb * bs, kvh, width).index_copy_(0, slot_mapping, rows)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -60,7 +75,9 @@ class TorchOps:
             out[:nd] = self._decode(q[:nd], kv_cache, meta, scale)
         for seg in meta.prefills:
             s, n = seg.query_start, seg.query_len
-            if seg.context_len == n:
+            # An int8 cache is read back even for a whole prompt: every attention then
+            # sees the same stored keys, so a prefix-cache hit computes what a cold run does.
+            if seg.context_len == n and kv_cache.dtype != torch.int8:
                 ks, vs = k[s:s + n], v[s:s + n]
             else:
                 ks, vs = _gather(kv_cache, seg.block_table, seg.context_len, q.dtype)
@@ -72,7 +89,7 @@ class TorchOps:
         """Always per KV head (a dense table broadcast over heads), so that a sparse
         selection of every block computes exactly what the dense decode does."""
         d, h, hd = q.shape
-        _, _, bs, kvh, _ = kv_cache.shape
+        _, _, bs, kvh, width = kv_cache.shape
         tables, lens = meta.decode_head_tables, meta.decode_head_lens
         if tables is None:
             w = meta.decode_block_tables.shape[1]
@@ -81,8 +98,10 @@ class TorchOps:
         length = tables.shape[2] * bs
         heads = torch.arange(kvh, device=q.device)[None, :, None]
         # Each (sequence, head)'s blocks of its own head: [d, kvh, w, bs, hd].
-        keys = kv_cache[0].transpose(1, 2)[tables, heads].view(d, kvh, length, hd).to(q.dtype)
-        values = kv_cache[1].transpose(1, 2)[tables, heads].view(d, kvh, length, hd).to(q.dtype)
+        keys = _read(kv_cache[0].transpose(1, 2)[tables, heads].view(d, kvh, length, width),
+                     q.dtype)
+        values = _read(kv_cache[1].transpose(1, 2)[tables, heads].view(d, kvh, length, width),
+                       q.dtype)
         qg = q.view(d, kvh, h // kvh, hd)
         scores = torch.matmul(qg, keys.transpose(2, 3)) * scale  # [d, kvh, g, L]
         pad = torch.arange(length, device=q.device) >= lens[:, :, None]
@@ -99,12 +118,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _, _, bs, kvh, hd = kv_cache.shape
+    _, _, bs, kvh, width = kv_cache.shape
     nb = -(-length // bs)
     blocks = block_table[:nb]
-    keys = kv_cache[0][blocks].view(nb * bs, kvh, hd)[:length].to(dtype)
-    values = kv_cache[1][blocks].view(nb * bs, kvh, hd)[:length].to(dtype)
+    keys = _read(kv_cache[0][blocks].view(nb * bs, kvh, width)[:length], dtype)
+    values = _read(kv_cache[1][blocks].view(nb * bs, kvh, width)[:length], dtype)
     return keys, values
+
+
+def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored KV rows as ``dtype`` (int8 rows dequantized)."""
+    return dequantize_rows(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

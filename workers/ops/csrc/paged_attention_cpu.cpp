@@ -10,7 +10,8 @@
 // unrolled vector instructions; fp16/bf16 keys and values are widened to fp32 one
 // block at a time with vector conversions (F16C / AVX-512 for fp16, shifts for bf16), never
 // element by element through at::Half; and every query head of a GQA group reuses
-// each key and value row while it is in cache.
+// each key and value row while it is in cache. An int8 cache row is head_dim int8
+// values followed by the row's fp16 scale (2 bytes); it is widened to value * scale.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,6 +50,14 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+inline void widen(const int8_t* src, float* dst, int64_t n) {
+  at::Half half;
+  std::memcpy(&half, src + n, sizeof(half));
+  const float scale = static_cast<float>(half);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
 
 // One block's n rows of a head as fp32 rows: read in place for fp32 (row stride
@@ -201,7 +210,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t max_len = block_tables.size(2) * block_size;
   const int64_t table_seq = block_tables.stride(0), table_head = block_tables.stride(1);
   const int64_t len_seq = seq_lens.stride(0), len_head = seq_lens.stride(1);
-  const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t row_width = key_cache.size(3);  // head_dim, or head_dim + 2 for int8
+  const int64_t token_stride = kv_heads * row_width, block_stride = block_size * token_stride;
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const T* kp = key_cache.data_ptr<T>();
@@ -233,12 +243,12 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         for (int64_t start = 0; start < len; start += block_size) {
           const int64_t n = std::min(block_size, len - start);
           if (start + block_size < len)
-            prefetch_rows(cache + table[start / block_size + 1] * block_stride + h * head_dim,
-                          std::min(block_size, len - start - block_size), head_dim * sizeof(T),
+            prefetch_rows(cache + table[start / block_size + 1] * block_stride + h * row_width,
+                          std::min(block_size, len - start - block_size), row_width * sizeof(T),
                           token_stride * sizeof(T));
           int64_t stride;
           const float* block = block_rows(cache + table[start / block_size] * block_stride +
-                                          h * head_dim, n, token_stride, head_dim, rows.data(),
+                                          h * row_width, n, token_stride, head_dim, rows.data(),
                                           &stride);
           use(start, n, block, stride);
         }
@@ -280,7 +290,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
               "q must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "key/value caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(key_cache.size(3) == q.size(2), "head_dim of q and the cache differ");
+  const int64_t scale_bytes = key_cache.scalar_type() == at::kChar ? 2 : 0;
+  TORCH_CHECK(key_cache.size(3) == q.size(2) + scale_bytes,
+              "head_dim of q and the cache differ (an int8 row holds head_dim + 2 bytes)");
   TORCH_CHECK(q.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of kv_heads");
   const int64_t num_seqs = q.size(0), kv_heads = key_cache.size(2);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
@@ -309,6 +321,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
     case at::kBFloat16:
       decode_dispatch_head_dim<at::BFloat16>(out, q, key_cache, value_cache, tables, lens,
                                              scale);
+      break;
+    case at::kChar:
+      decode_dispatch_head_dim<int8_t>(out, q, key_cache, value_cache, tables, lens, scale);
       break;
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());

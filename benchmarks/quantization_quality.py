@@ -1,0 +1,139 @@
+"""``python -m cluster bench quantization-quality``: int8 linear layers and int8 KV
+against HF transformers' fp32 forward on real English text.
+
+Teacher forcing: the text goes through the engine's model in prefill chunks (every
+chunk after the first reads its context back from the paged KV pool, so an int8 KV is
+really in the path), and each position's logits are compared with HF's over the same
+text: top-1 agreement (our argmax equals HF's) and the perplexity of the text's own
+next tokens, ours against HF's.
+
+    python -m cluster bench quantization-quality [--tokens N] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.long_context_recall import read_text
+from cluster import LLM
+from workers.ops.base import AttentionMetadata, PrefillSegment
+
+# label -> LLM keywords (fp32 compute on the CPU; the KV pool sized for the text)
+CONFIGS: dict[str, dict[str, str]] = {
+    "fp32": {},
+    "w8a16": {"quantization": "w8a16"},
+    "w8a8": {"quantization": "w8a8"},
+    "int8 KV": {"kv_cache_dtype": "int8"},
+    "w8a8 + int8 KV": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
+}
+CHUNK = 128
+
+
+@dataclass
+class Quality:
+    label: str
+    tokens: int
+    agreement: float        # fraction of positions whose argmax equals HF's
+    perplexity: float
+    hf_perplexity: float
+
+    @property
+    def perplexity_increase(self) -> float:
+        return self.perplexity / self.hf_perplexity - 1
+
+
+def text_ids(llm: LLM, num_tokens: int) -> list[int]:
+    text, _ = read_text(None)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    if len(ids) < num_tokens + 1:
+        raise ValueError(f"tokens: got {num_tokens}; the text has only {len(ids) - 1}")
+    return ids[:num_tokens + 1]
+
+
+@torch.inference_mode()
+def forced_logits(llm: LLM, ids: list[int], chunk: int = CHUNK) -> torch.Tensor:
+    """fp32 logits [len(ids), vocab] of one sequence run in prefill chunks through the
+    engine's model and its block pool (blocks 0, 1, ... of a fresh engine)."""
+    runner = llm.engine.runner
+    bs = runner.block_size
+    blocks = torch.arange(math.ceil(len(ids) / bs))
+    if len(blocks) > runner.num_blocks:
+        raise ValueError(f"text of {len(ids)} tokens needs {len(blocks)} KV blocks; the pool "
+                         f"has {runner.num_blocks}: raise kv_cache_bytes")
+    out = []
+    for start in range(0, len(ids), chunk):
+        end = min(len(ids), start + chunk)
+        positions = torch.arange(start, end)
+        meta = AttentionMetadata(positions.clone(), 0, torch.zeros(0, 1, dtype=torch.long),
+                                 torch.zeros(0, dtype=torch.long),
+                                 [PrefillSegment(0, end - start, end, blocks)], bs)
+        hidden = runner.model.forward(torch.tensor(ids[start:end]), positions,
+                                      runner.kv_caches, meta)
+        out.append(runner.model.compute_logits(hidden))
+    return torch.cat(out)
+
+
+def hf_logits(model_path: str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    p = Path(model_path)
+    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name,
+                                              dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """Of the text's own next tokens under ``logits`` (row i predicts ids[i + 1])."""
+    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    return math.exp(nll.item())
+
+
+def measure(configs: dict[str, dict[str, str]], num_tokens: int,
+            model_path: str | None = None) -> list[Quality]:
+    from workers.loading import default_model_path
+
+    path = model_path or default_model_path()
+    results: list[Quality] = []
+    ids: list[int] = []
+    reference = torch.empty(0)
+    for label, kwargs in configs.items():
+        llm = LLM(path, device="cpu", kv_cache_bytes=64 << 20, **kwargs)
+        if not ids:
+            ids = text_ids(llm, num_tokens)
+            reference = hf_logits(path, ids)
+        ours = forced_logits(llm, ids)
+        agree = (ours.argmax(-1) == reference.argmax(-1)).double().mean().item()
+        results.append(Quality(label, len(ids), agree, perplexity(ours, ids),
+                               perplexity(reference, ids)))
+    return results
+
+
+def table(results: Sequence[Quality]) -> str:
+    rows = ["| config | tokens | top-1 agreement with HF fp32 | perplexity | HF fp32 perplexity "
+            "| increase |", "|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {r.label} | {r.tokens} | {r.agreement:.2%} | {r.perplexity:.3f} | "
+                    f"{r.hf_perplexity:.3f} | {r.perplexity_increase:+.2%} |")
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=2048, help="text tokens (default: 2048)")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args(argv)
+    results = measure(CONFIGS, args.tokens)
+    print(table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) | {"perplexity_increase":
+                                                            r.perplexity_increase}
+                                               for r in results], indent=2))
+    return 0

@@ -1,0 +1,109 @@
+"""Int8 linear layers against a dequantize-then-compute oracle written here: scales by
+their definition (amax / 127 per row), the integer product accumulated exactly in
+int64, and the fp32 product of the dequantized weight for w8a16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.config import ConfigError, config_from_dict
+from workers.ops import TorchOps
+from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
+from workers.ops.quant_linear import Int8Weight
+
+
+def all_ops():
+    problem = load_cpu_kernels()
+    assert problem is None, f"CPU kernels failed to build: {problem}"
+    return [TorchOps(), CpuOps()]
+
+
+def symmetric_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 by the definition, in float64."""
+    t = t.double()
+    scale = t.abs().max(dim=1).values / 127
+    q = torch.round(t / scale[:, None]).clamp(-127, 127)
+    return q.long(), scale
+
+
+def inputs(rows: int, seed: int, out: int = 80, inp: int = 96):
+    g = torch.Generator().manual_seed(seed)
+    # Rows of very different sizes: per-token and per-channel scales must both matter.
+    x = torch.randn(rows, inp, generator=g) * torch.logspace(-2, 2, rows)[:, None]
+    w = torch.randn(out, inp, generator=g) * torch.logspace(-1, 1, out)[:, None]
+    bias = torch.randn(out, generator=g)
+    return x, w, bias
+
+
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_w8a8_is_the_exact_int32_product_rescaled(ops, rows):
+    x, w, bias = inputs(rows, seed=rows)
+    packed = ops.pack_linear(w, "w8a8")
+    qw, sw = symmetric_int8(w)
+    assert torch.equal(packed.qweight.long(), qw)
+    torch.testing.assert_close(packed.scale.double(), sw, rtol=1e-6, atol=0)
+    qx, sx = symmetric_int8(x)
+    exact = (qx @ qw.T).double()  # int64: no rounding anywhere
+    expected = exact * sx[:, None] * sw[None, :] + bias.double()
+    got = ops.linear(x, packed, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, 80)
+    # int32 accumulation is exact, so only the fp32 rescale rounds (a few ulps).
+    torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=2e-6 * expected.abs().max())
+
+
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+def test_w8a16_is_the_dequantized_weights_product(ops, rows):
+    """Both the small-batch kernel (<= 16 rows) and the blocked path (more rows, more
+    than one block of output channels)."""
+    x, w, bias = inputs(rows, seed=100 + rows, out=600)
+    packed = ops.pack_linear(w, "w8a16")
+    qw, sw = symmetric_int8(w)
+    expected = x.double() @ (qw.double() * sw[:, None]).T + bias.double()
+    got = ops.linear(x.view(1, rows, 96), packed, bias)
+    assert got.shape == (1, rows, 600)
+    # fp32 accumulation: errors relative to each row's size (rows span 4 decades).
+    rel = (got[0].double() - expected).abs() / expected.abs().amax(dim=1, keepdim=True)
+    assert rel.max() < 1e-5
+
+
+def test_pre_quantized_weights_are_used_as_stored():
+    x, w, _ = inputs(4, seed=7)
+    qw, sw = symmetric_int8(w)
+    given = Int8Weight.from_int8("w8a8", qw.to(torch.int8), sw.float())
+    ops = TorchOps()
+    assert ops.pack_linear(given) is given
+    torch.testing.assert_close(ops.linear(x, given), ops.linear(x, ops.pack_linear(w, "w8a8")))
+    with pytest.raises(ValueError, match="one per channel"):
+        Int8Weight.from_int8("w8a8", qw.to(torch.int8), sw[:3].float())
+
+
+def test_zero_rows_quantize_to_zero_outputs():
+    x, w, _ = inputs(3, seed=3)
+    x[1] = 0
+    got = TorchOps().linear(x, TorchOps().pack_linear(w, "w8a8"))
+    assert torch.equal(got[1], torch.zeros(80)) and got.isfinite().all()
+
+
+def test_unknown_quantization_fails_at_start_naming_the_choices():
+    with pytest.raises(ConfigError, match=r"model\.quantization: got 'int4'; allowed: none, "
+                                          r"w8a8, w8a16"):
+        config_from_dict({"model": {"quantization": "int4"}})
+    assert config_from_dict({"model": {"quantization": "w8a16"}}).model.quantization == "w8a16"
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w8a16"])
+def test_a_worker_quantizes_its_decoder_layers_not_its_lm_head(tiny_factory, quantization):
+    """The setting reaches a Ray worker's model through its spec (plain values)."""
+    from kvcache.config import CacheConfig
+    from workers.worker import Worker, WorkerSpec
+
+    spec = WorkerSpec(tiny_factory("llama").path, None, "float32", "cpu", 0, "auto",
+                      CacheConfig(kv_cache_bytes=1 << 20), None, 1, quantization=quantization)
+    model = Worker(spec, "mixed").runner.model
+    layer = model.layers[0]
+    for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
+        assert isinstance(w, Int8Weight) and w.scheme == quantization
+    assert not isinstance(model.lm_head, Int8Weight)

@@ -1,0 +1,100 @@
+"""Int8 linear layers: W8A8 dynamic and weight-only int8 (w8a16).
+
+Weights are int8 with one symmetric scale per output channel, ``W ~= q * scale[:, None]``
+(what compressed-tensors' ``int8`` ``channel`` strategy stores). W8A8 also quantizes
+each call's activations per token, ``x ~= qx * sx[:, None]``, so ``x @ W.T ~=
+(qx @ q.T) * sx[:, None] * scale[None, :]`` with the product accumulated exactly in
+int32 by ``torch._int_mm`` (oneDNN's VNNI kernels on x86). torch's dynamic-quantized
+linear (FBGEMM/oneDNN) was measured too but quantizes activations per tensor, not per
+token; ``_weight_int8pack_mm`` ran 10-100x slower than fp32 here (benchmarks/RESULTS.md).
+w8a16 keeps fp activations: a small batch reads the int8 weights in a C++ kernel (CPU
+ops), a large one dequantizes blocks of rows into fp32 and uses the fp32 GEMM, whose
+arithmetic then dominates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("none", "w8a8", "w8a16")
+_QMAX = 127.0
+_DEQUANT_ROWS = 256  # output channels dequantized at once by the blocked w8a16 path
+
+
+def check_quantization(name: str) -> None:
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization: got {name!r}; allowed: {', '.join(QUANTIZATIONS)}")
+
+
+@dataclass
+class Int8Weight:
+    """A linear layer's int8 weight [out, in] and fp32 scales [out]; ``scheme`` is
+    ``w8a8`` or ``w8a16``. ``qweight_t`` is the [in, out] copy ``_int_mm`` reads."""
+
+    scheme: str
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    qweight_t: torch.Tensor | None = None
+
+    @classmethod
+    def from_int8(cls, scheme: str, qweight: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+        if qweight.dtype != torch.int8 or qweight.dim() != 2:
+            raise ValueError(f"int8 weight: got {qweight.dtype} of shape {tuple(qweight.shape)}; "
+                             "expected a 2-D int8 tensor [out, in]")
+        scale = scale.reshape(-1).to(torch.float32)
+        if scale.shape[0] != qweight.shape[0]:
+            raise ValueError(f"int8 weight scale: got {scale.shape[0]} scales for "
+                             f"{qweight.shape[0]} output channels; expected one per channel")
+        qt = qweight.t().contiguous() if scheme == "w8a8" else None
+        return cls(scheme, qweight.contiguous(), scale.contiguous(), qt)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str) -> Int8Weight:
+    """Symmetric per-output-channel int8 of an fp weight [out, in]."""
+    q, scale = quantize_rows(weight)
+    return Int8Weight.from_int8(scheme, q, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a 2-D tensor: (q int8, scale fp32 [rows]); an all-zero
+    row gets scale 1 (q is zero either way)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
+    q = torch.round(xf / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return q, scale
+
+
+def w8a8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with ``x`` quantized per token and an exact int32 product."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    qx, sx = quantize_rows(x2)
+    acc = torch._int_mm(qx, w.qweight_t)
+    out = acc.float().mul_(sx[:, None]).mul_(w.scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype).reshape(*shape[:-1], w.out_features)
+
+
+def w8a16_blocked(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` with fp activations: int8 weight rows dequantized a block at a
+    time (the block stays in cache for its product)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    out = torch.empty(x2.shape[0], w.out_features, dtype=x.dtype, device=x.device)
+    for i in range(0, w.out_features, _DEQUANT_ROWS):
+        rows = slice(i, i + _DEQUANT_ROWS)
+        block = w.qweight[rows].to(x.dtype).mul_(w.scale[rows, None].to(x.dtype))
+        out[:, rows] = F.linear(x2, block)
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*shape[:-1], w.out_features)
+
