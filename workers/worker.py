@@ -18,12 +18,10 @@ import torch
 from kvcache.config import CacheConfig
 from kvcache.kv_transfer import HostRows, KVLayoutMeta, export_blocks, import_blocks
 from kvcache.long_context import LongContextConfig
-from scheduler.protocol import StepPlan, decode, encode
+from scheduler.protocol import Role, StepPlan, decode, encode
 from workers.device import resolve_device
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
-
-ROLES = ("prefill", "decode", "mixed")
 
 
 @dataclass
@@ -55,11 +53,9 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, role: str) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role: got {role!r}; allowed: {', '.join(ROLES)}")
+    def __init__(self, spec: WorkerSpec, role: Role | str) -> None:
+        self.role = Role.parse(role)
         torch.set_num_threads(spec.num_threads)
-        self.role = role
         dtype = getattr(torch, spec.dtype)
         ckpt = load_checkpoint(spec.model_path, dtype=dtype, tokenizer=spec.tokenizer)
         model_max = ckpt.config.max_position_embeddings
@@ -112,4 +108,4 @@ class Worker:
         return batch.nbytes
 
     def ping(self) -> str:
-        return self.role
+        return self.role.value

@@ -18,6 +18,9 @@ from cluster.openai_protocol import (
 )
 from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, Logprob
+from scheduler.protocol import Role, TierStats
+from scheduler.stats import CellStats, TransferStats, WorkerReport, WorkerState
+from scheduler.tiering import TierUsage
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -100,20 +103,20 @@ def test_router_metrics_tpot_and_scheduler_gauges():
     m = RouterMetrics()
     m.observe_request(arrival=10.0, first_token=10.5, end=12.5, num_tokens=5)
     assert (m.ttft.total, m.tpot.total, m.e2e.total) == (0.5, 0.5, 2.5)
-    worker = {"worker_id": "decode-0", "role": "decode", "num_running": 3, "num_waiting": 1,
-              "num_used_blocks": 25, "num_blocks": 100, "num_free_blocks": 75,
-              "prefix_hit_rate": 0.5, "alive": True,
-              "kv_received": {"bytes": 1024, "seconds": 0.25, "count": 2},
-              "kv_sent": {"failures": 0}}
-    text = m.render({"workers": [worker], "num_recovered": 0})
+    worker = WorkerReport("decode-0", Role.DECODE, WorkerState.SERVING, num_blocks=100,
+                          num_free_blocks=75, num_used_blocks=25, num_running=3,
+                          num_waiting=1, worker_num_seqs=3, prefix_hit_rate=0.5,
+                          kv_received=TransferStats(count=2, bytes=1024, seconds=0.25))
+    stats = CellStats([worker], num_requests=4, num_waiting=1, num_handoffs=0,
+                      num_recovered=0)
+    text = m.render(stats)
     assert 'llm_cluster_kv_cache_usage_ratio{role="decode",worker="decode-0"} 0.25' in text
     assert 'llm_cluster_kv_transfer_bytes_total{role="decode",worker="decode-0"} 1024' in text
     assert "host_kv" not in text   # long contexts off: no tier series
-    worker["tiers"] = {"host_blocks": 64, "host_used": 16, "sparse_seqs": 1,
-                       "offloaded_seqs": 2}
-    worker["tier_stats"] = {"offloaded_blocks": 40, "received_blocks": 8,
-                            "recalled_blocks": 96, "recall_hits": 32}
-    text = m.render({"workers": [worker], "num_recovered": 0})
+    worker.tiers = TierUsage(host_blocks=64, host_used=16, offloaded_seqs=2, sparse_seqs=1)
+    worker.tier_stats = TierStats(offloaded_blocks=40, received_blocks=8,
+                                  recalled_blocks=96, recall_hits=32)
+    text = m.render(stats)
     labels = '{role="decode",worker="decode-0"}'
     for line in (f"host_kv_usage_ratio{labels} 0.25", f"num_requests_offloaded{labels} 2",
                  f"kv_offloaded_blocks_total{labels} 40", f"kv_recall_hits_total{labels} 32",
