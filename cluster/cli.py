@@ -110,6 +110,9 @@ BENCHMARKS = {
                             "selected blocks capture on real text, against the oracle top-k"),
     "long-context-quality": ("long_context_quality", "end quality of sparse attention against "
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
+    "autoscale": ("autoscale", "a 1 -> 32 -> 1 streaming-client ramp on an autoscaled decode "
+                  "pool against a static one sized for the peak; --migration: a drain's "
+                  "KV migration against recompute"),
 }
 
 
