@@ -240,7 +240,9 @@ def migration(args: argparse.Namespace) -> dict[str, Any]:
     from cluster.config import config_from_dict
     from scheduler.protocol import Role, SamplingParams
 
-    engine = ClusterEngine(config_from_dict(cell_config("bench-migrate", (1, 1, 2), args)))
+    config = cell_config("bench-migrate", (1, 1, 2), args)
+    config["cache"]["enable_prefix_caching"] = False   # a recompute must not hit a cache
+    engine = ClusterEngine(config_from_dict(config))
     try:
         tok = engine.tokenizer
         prompts = [tok.encode(p) for p in make_prompts(16, seed=2)]
@@ -249,8 +251,9 @@ def migration(args: argparse.Namespace) -> dict[str, Any]:
             engine.add_request(f"m{i}", None, p, sp, stream=True)
         peer = engine.pools.add(Role.DECODE)
         engine.pools.wait_joined(peer, 600)
+        seen: dict[str, list[int]] = {}   # each sequence's tokens, streamed so far
         while engine.stats().worker("decode-0").num_running < 16:
-            engine.step()
+            seen.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
         before = engine.stats().worker(peer).kv_received
         start = time.perf_counter()
         engine.pools.remove("decode-0")
@@ -258,16 +261,14 @@ def migration(args: argparse.Namespace) -> dict[str, Any]:
             engine.step()
         moved_s = time.perf_counter() - start
         after = engine.stats().worker(peer).kv_received
-        tokens = {}
-        while engine.has_unfinished():   # the migrated sequences' tokens so far
-            for out in engine.step():
-                tokens[out.request_id] = out.outputs[0].token_ids
-        # Recompute: the same sequences (prompt + their first tokens) prefilled on the peer.
-        n = args.recompute_tokens
+        while engine.has_unfinished():
+            engine.step()
+        # Recompute: the same sequences, as far as they had streamed when the drain began
+        # (a step or two short of what moved), prefilled on the peer.
+        again = [p + seen.get(f"m{i}", []) for i, p in enumerate(prompts)]
         start = time.perf_counter()
-        for i, p in enumerate(prompts):
-            engine.add_request(f"c{i}", None, p + tokens[f"m{i}"][:n],
-                               SamplingParams(temperature=0.0, max_tokens=1))
+        for i, p in enumerate(again):
+            engine.add_request(f"c{i}", None, p, SamplingParams(temperature=0.0, max_tokens=1))
         while engine.has_unfinished():
             engine.step()
         recompute_s = time.perf_counter() - start
@@ -275,7 +276,7 @@ def migration(args: argparse.Namespace) -> dict[str, Any]:
         engine.shutdown()
     return {"sequences": 16, "migrate_s": moved_s, "migrate_bytes": after.bytes - before.bytes,
             "handoff_s_sum": after.seconds - before.seconds,
-            "recompute_tokens": sum(len(p) + n for p in prompts),
+            "recompute_tokens": sum(map(len, again)),
             "recompute_s": recompute_s, "recompute_over_migrate": recompute_s / moved_s}
 
 
@@ -295,8 +296,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
     p.add_argument("--migration", action="store_true",
                    help="measure the 16-sequence migration against recompute instead")
-    p.add_argument("--recompute-tokens", type=int, default=64,
-                   help="generated tokens each recomputed sequence carries")
     return p
 
 
