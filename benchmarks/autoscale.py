@@ -251,9 +251,13 @@ def migration(args: argparse.Namespace) -> dict[str, Any]:
             engine.add_request(f"m{i}", None, p, sp, stream=True)
         peer = engine.pools.add(Role.DECODE)
         engine.pools.wait_joined(peer, 600)
-        seen: dict[str, list[int]] = {}   # each sequence's tokens, streamed so far
         while engine.stats().worker("decode-0").num_running < 16:
-            seen.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+            engine.step()
+        # Each sequence's tokens so far (a long-poll returns all news since the last),
+        # taken just before the drain: what it moves, give or take a step.
+        seen: dict[str, list[int]] = {}
+        while len(seen) < 16:
+            seen.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step())
         before = engine.stats().worker(peer).kv_received
         start = time.perf_counter()
         engine.pools.remove("decode-0")
