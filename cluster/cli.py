@@ -128,6 +128,9 @@ BENCHMARKS = {
                              "dense: passkey retrieval, teacher-forced next-token agreement"),
     "long-context-oracle": ("long_context_oracle", "teacher-forced agreement with the oracle's "
                             "block selection: the ceiling any summary can reach"),
+    "autoscale": ("autoscale", "a 1 -> 32 -> 1 streaming-client ramp on an autoscaled decode "
+                  "pool against a static one sized for the peak; --migration: a drain's "
+                  "KV migration against recompute"),
 }
 
 
