@@ -48,15 +48,16 @@ def main() -> None:
         first = last = None
         while engine.has_unfinished():
             engine.step()
-            w = engine.stats()["workers"][0]
+            w = engine.stats().workers[0]
             # Every sequence decoding: a window from the third such step on.
-            if w["num_running"] == args.seqs and w["num_steps"] >= 3:
+            if w.num_running == args.seqs and w.num_steps >= 3:
                 first = first or w
                 last = w
-            if first and last["num_steps"] - first["num_steps"] >= args.max_tokens // 2:
+            if first and last.num_steps - first.num_steps >= args.max_tokens // 2:
                 break
-        steps = last["num_steps"] - first["num_steps"]
-        window = {k: (last["step_times"][k] - first["step_times"][k]) / steps for k in PARTS}
+        steps = last.num_steps - first.num_steps
+        window = {k: (getattr(last.step_times, k) - getattr(first.step_times, k)) / steps
+                  for k in PARTS}
     finally:
         engine.shutdown()
         ray.shutdown()

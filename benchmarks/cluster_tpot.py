@@ -76,12 +76,12 @@ def measure(layout: str, args: argparse.Namespace) -> dict[str, float]:
                     "pools": LAYOUTS[layout]}}))
     try:
         asyncio.run(workload(engine, args, seed=1))   # warm-up: first-call costs
-        before = [w["kv_sent"] for w in engine.stats()["workers"]]
+        before = [w.kv_sent for w in engine.stats().workers]
         start = time.perf_counter()
         decoders = asyncio.run(workload(engine, args, seed=2))
         elapsed = time.perf_counter() - start
-        sent = [{k: v - b[k] for k, v in w["kv_sent"].items()}
-                for w, b in zip(engine.stats()["workers"], before)]
+        sent = [{k: v - getattr(b, k) for k, v in vars(w.kv_sent).items()}
+                for w, b in zip(engine.stats().workers, before)]
     finally:
         engine.shutdown()
     tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in decoders]

@@ -186,12 +186,12 @@ def first_token_gap(prompt_tokens: int, repeats: int) -> list[dict]:
         for seed in range(repeats + 1):   # the first run is a warm-up
             rng = np.random.default_rng(seed)
             prompt = rng.integers(100, 10_000, prompt_tokens).tolist()
-            before = engine.stats()["workers"]
+            before = engine.stats().workers
             times = asyncio.run(token_times(engine, prompt, sp))
-            after = engine.stats()["workers"]
-            sent = {k: after[0]["kv_sent"][k] - before[0]["kv_sent"][k]
+            after = engine.stats().workers
+            sent = {k: getattr(after[0].kv_sent, k) - getattr(before[0].kv_sent, k)
                     for k in ("count", "seconds", "bytes", "failures")}
-            steps = {k: after[1]["step_times"][k] - before[1]["step_times"][k]
+            steps = {k: getattr(after[1].step_times, k) - getattr(before[1].step_times, k)
                      for k in ("steps", "execute_s")}
             gaps = np.diff(times)
             runs.append({"tokens": prompt_tokens, "first_gap_s": float(gaps[0]),
@@ -199,7 +199,7 @@ def first_token_gap(prompt_tokens: int, repeats: int) -> list[dict]:
                          "decode_step_s": steps["execute_s"] / max(steps["steps"], 1),
                          "handoff_s": sent["seconds"], "handoff_MB": sent["bytes"] / 1e6,
                          "handoffs": sent["count"], "failures": sent["failures"],
-                         "transports": after[0]["kv_sent"]["transports"]})
+                         "transports": after[0].kv_sent.transports})
     finally:
         engine.shutdown()
     return runs[1:]

@@ -17,7 +17,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
@@ -25,16 +24,22 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from cluster.config import EngineConfig, WorkerPoolConfig, sampling_defaults
+from cluster.autoscaler import Autoscaler
+from cluster.config import EngineConfig, sampling_defaults
 from cluster.engine import resolve_max_model_len, tokenize_prompt
 from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput
-from scheduler.global_scheduler import GlobalScheduler, WorkerRef
+from cluster.pools import WorkerPools
+from cluster.ray_worker import RayWorkerHandle
+from scheduler.config import CellConfig
+from scheduler.global_scheduler import GlobalScheduler, Updates
 from scheduler.protocol import SamplingParams
-from scheduler.sequence import SeqUpdate
+from scheduler.sequence import SeqUpdate, child_seq_id
+from scheduler.stats import CellStats
+from scheduler.worker_handle import WorkerRef
 from workers.loading import Checkpoint, load_checkpoint
 from workers.tokenizer import Tokenizer
-from workers.worker import Worker, WorkerInfo, WorkerSpec
+from workers.worker import WorkerInfo, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,8 @@ class ClusterClient:
         self.max_model_len = max_model_len
         self.outputs = OutputProcessor(tokenizer)
         self.client_id = uuid.uuid4().hex
-        self._pending: set[str] = set()
+        self._pending: set[str] = set()   # the scheduler's requests: one per choice
+        self._parent: dict[str, str] = {}  # a choice's scheduler request -> its request
         self._streams: dict[str, asyncio.Queue] = {}
         self._pump: asyncio.Task | None = None
         self._ids = itertools.count()
@@ -89,18 +95,29 @@ class ClusterClient:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0, stream: bool = False) -> None:
-        """Submit a request; raises ``OverloadedError`` at once when the queue is full."""
+        """Submit a request (its ``n`` choices, see ``_choices``); raises
+        ``OverloadedError`` at once when the queue is full."""
         self.outputs.add(request_id, prompt, prompt_token_ids, params, stream)
+        submitted: list[str] = []
         try:
-            _get(self.scheduler.submit.remote(request_id, prompt_token_ids, params, priority))
+            for cid, choice, k in self._choices(request_id, params):
+                _get(self.scheduler.submit.remote(cid, prompt_token_ids, choice, priority,
+                                                  None, k))
+                submitted.append(cid)
         except BaseException:
+            for cid in submitted:
+                _get(self.scheduler.abort.remote(cid))
+                self._parent.pop(cid, None)
             self.outputs.requests.pop(request_id, None)
             raise
-        self._pending.add(request_id)
+        self._pending.update(submitted)
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
-        self._pending.discard(request_id)
-        outputs, _ = self.outputs.process(_get(self.scheduler.abort.remote(request_id)))
+        updates = []
+        for cid in self._children(request_id):
+            self._pending.discard(cid)
+            updates += [self._lift(u) for u in _get(self.scheduler.abort.remote(cid))]
+        outputs, _ = self.outputs.process(updates)
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -112,33 +129,40 @@ class ClusterClient:
             return []
         news = _get(self.scheduler.get_updates.remote(sorted(self._pending), _POLL_S))
         results, to_stop = self._absorb(news)
-        for rid, (_, done, _) in news.items():
-            if done or rid not in self.outputs.requests:
-                self._pending.discard(rid)
+        for cid, (_, done, _) in news.items():
+            if done or self._parent.get(cid, cid) not in self.outputs.requests:
+                self._pending.discard(cid)
+                self._parent.pop(cid, None)
         for seq_id in to_stop:   # a stop string matched: the scheduler stops it too
-            _get(self.scheduler.abort.remote(seq_id, "stop"))   # n=1: seq id == request id
+            _get(self.scheduler.abort.remote(seq_id, "stop"))   # a choice's seq id is its request's
         return results
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CellStats:
         """The scheduler's per-worker figures (see ``GlobalScheduler.stats``)."""
         return _get(self.scheduler.stats.remote())
 
-    async def astats(self) -> dict[str, Any]:
+    async def astats(self) -> CellStats:
         return await _aget(self.scheduler.stats.remote())
 
     # ---- streaming -------------------------------------------------------------------
     async def open_stream(self, prompt_token_ids: list[int], params: SamplingParams,
                           prompt: str | None = None, request_id: str | None = None,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, sample_index: int | None = None
+                          ) -> RequestStream:
         """Submit one request (raising ``OverloadedError`` and the like at once) and
-        return the stream of its outputs."""
+        return the stream of its outputs: its ``n`` choices, or, given ``sample_index``
+        (with n = 1), that one choice of a request whose choices stream apart."""
         rid = request_id or f"stream-{self.client_id[:8]}-{next(self._ids)}"
         self.outputs.add(rid, prompt, prompt_token_ids, params, stream=True)
         self._streams[rid] = queue = asyncio.Queue()
+        choices = self._choices(rid, params) if sample_index is None else \
+            [(rid, params, sample_index)]
         try:
-            await _aget(self.scheduler.submit.remote(rid, prompt_token_ids, params, priority,
-                                                     self.client_id))
+            for cid, choice, k in choices:
+                await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
+                                                         priority, self.client_id, k))
         except BaseException:
+            await _abort_all(self.scheduler, self._children(rid))
             self._forget(rid)
             raise
         if self._pump is None or self._pump.done():
@@ -169,9 +193,12 @@ class ClusterClient:
                     queue.put_nowait(e)
                 return
             results, to_stop = self._absorb(news)
-            for rid, (_, _, error) in news.items():
+            for cid, (_, done, error) in news.items():
+                rid = self._parent.get(cid, cid)
                 if error is not None and rid in self._streams:
                     self._streams.pop(rid).put_nowait(error)
+                if done:
+                    self._parent.pop(cid, None)
             for out in results:   # a finished stream leaves: its queue holds the rest
                 if out.request_id in self._streams:
                     queue = self._streams.pop(out.request_id) if out.finished \
@@ -183,20 +210,44 @@ class ClusterClient:
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self.outputs.requests.pop(request_id, None)
+        for cid in self._children(request_id):
+            self._parent.pop(cid, None)
+
+    # ---- choices ---------------------------------------------------------------------
+    def _choices(self, request_id: str, params: SamplingParams
+                 ) -> list[tuple[str, SamplingParams, int]]:
+        """A request's ``n`` choices as the scheduler runs them, each a request of its
+        own: (its id, n = 1, its sample index). Choice k keeps the request's seed; the
+        sampler keys a seeded draw by (seed, sample index, position), as the one-process
+        engine's forked choices are, so every path gives the same choices."""
+        one = dataclasses.replace(params, n=1)
+        choices = [(child_seq_id(request_id, k), one, k) for k in range(params.n)]
+        for cid, _, _ in choices[1:]:
+            self._parent[cid] = request_id
+        return choices
+
+    def _children(self, request_id: str) -> list[str]:
+        """The scheduler requests of a request's choices."""
+        return [request_id] + [c for c, r in self._parent.items() if r == request_id]
+
+    def _lift(self, u: SeqUpdate) -> SeqUpdate:
+        """A choice's update as an update of its request."""
+        rid = self._parent.get(u.request_id)
+        return u if rid is None else dataclasses.replace(u, request_id=rid)
 
     # ---- internals -------------------------------------------------------------------
-    def _absorb(self, news: dict[str, tuple[list[SeqUpdate], bool, Exception | None]]
-                ) -> tuple[list[RequestOutput], list[str]]:
+    def _absorb(self, news: Updates) -> tuple[list[RequestOutput], list[str]]:
         """Turn the scheduler's news into outputs; a request that ended in an error is
         dropped here and raised (step) or handed to its stream (pump) by the caller."""
         updates: list[SeqUpdate] = []
-        for rid, (ups, _, error) in news.items():
+        for cid, (ups, _, error) in news.items():
+            rid = self._parent.get(cid, cid)
             if error is not None:
-                self._pending.discard(rid)
+                self._pending.discard(cid)
                 self.outputs.requests.pop(rid, None)
                 if rid not in self._streams:
                     raise error
-            updates.extend(ups)
+            updates.extend(self._lift(u) for u in ups)
         return self.outputs.process(updates)
 
 
@@ -227,9 +278,9 @@ class RequestStream:
         self._done = True
         if self.request_id not in self.client._streams:
             return
+        choices = self.client._children(self.request_id)
         self.client._forget(self.request_id)
-        await asyncio.shield(_detached(_aget(self.client.scheduler.abort.remote(
-            self.request_id))))
+        await asyncio.shield(_detached(_abort_all(self.client.scheduler, choices)))
 
 
 class ClusterEngine(ClusterClient):
@@ -253,28 +304,28 @@ class ClusterEngine(ClusterClient):
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
                           config.cache, config.scheduler.max_model_len, 1, config.long_context,
                           mc.quantization)
-        self.workers: dict[str, Any] = {}
+        self.pools = WorkerPools(spec, cc.pools, cc.replace_backoff_s)
+        self.workers = self.pools.workers   # worker id -> actor, every live one
         try:
-            refs = self._start_workers(spec)
+            started = self.pools.launch_initial()
+            refs = self._join_initial(started)
             scheduler = self._start_scheduler(refs)
         except BaseException:
-            self._kill_workers()
+            self.pools.kill_all()
             raise
         ray.get(scheduler.start.remote())
+        self.pools.serve(scheduler, started, self._fingerprint, self.block_size,
+                         -(-self.max_model_len // self.block_size))
+        self.autoscaler: Autoscaler | None = None
+        if any(lo < hi for lo, hi in (p.bounds for p in cc.pools)):
+            self.autoscaler = Autoscaler(scheduler, self.pools, cc.autoscale)
+            self.autoscaler.start()
         super().__init__(scheduler, ckpt.tokenizer, ckpt.config.vocab_size, self.max_model_len)
 
-    def _start_workers(self, spec: WorkerSpec) -> list[WorkerRef]:
-        """Launch every pool's actors; wait until each has loaded the model and sized its
-        pool; settle the context length on the smallest pool."""
-        roles: dict[str, str] = {}
-        per_role: Counter[str] = Counter()
-        for pool in self.config.cluster.pools:
-            for _ in range(pool.count):
-                worker_id = f"{pool.role}-{per_role[pool.role]}"
-                per_role[pool.role] += 1
-                self.workers[worker_id] = _launch(spec, pool)
-                roles[worker_id] = pool.role
-        infos: list[WorkerInfo] = ray.get([w.info.remote() for w in self.workers.values()])
+    def _join_initial(self, started: list[tuple[str, int, Any]]) -> list[WorkerRef]:
+        """Wait until the first workers have loaded the model and sized their pools;
+        settle the context length on the smallest pool."""
+        infos: list[WorkerInfo] = ray.get([a.info.remote() for _, _, a in started])
         fingerprints = {i.fingerprint for i in infos}
         if len(fingerprints) != 1:
             raise RuntimeError(f"workers loaded different models ({sorted(fingerprints)}); "
@@ -290,23 +341,26 @@ class ClusterEngine(ClusterClient):
             min(i.num_blocks for i in infos) * bs,
             min(lc.longest_context(i.host_blocks, bs) for i in infos) if lc.enabled else None)
         self._eos_token_ids = infos[0].eos_token_ids
-        return [WorkerRef(wid, roles[wid], actor, info.num_blocks, info.host_blocks, info.place)
-                for (wid, actor), info in zip(self.workers.items(), infos)]
+        self._fingerprint = infos[0].fingerprint
+        pools = self.config.cluster.pools
+        return [WorkerRef(wid, pools[pool].role, RayWorkerHandle(actor), info.num_blocks,
+                          info.host_blocks, info.place)
+                for (wid, pool, actor), info in zip(started, infos)]
 
     def _start_scheduler(self, refs: list[WorkerRef]) -> Any:
         """The global scheduler as a named, detached async actor. One of the same name
         left behind by a killed driver (all its workers dead) is replaced."""
         cc, cfg = self.config.cluster, self.config
         name = scheduler_name(cc.name)
+        cell = CellConfig(cfg.scheduler, self.block_size, self.max_model_len,
+                          self._eos_token_ids, cfg.cache.enable_prefix_caching,
+                          cc.prefill_threshold, cc.max_prefill_queue_tokens, cc.max_waiting,
+                          cc.transfer_timeout_s, cfg.long_context)
 
         def create() -> Any:
             return ray.remote(GlobalScheduler).options(
                 name=name, namespace=NAMESPACE, lifetime="detached",
-                num_cpus=0, max_concurrency=10_000).remote(
-                refs, cfg.scheduler, self.block_size, cfg.cache.enable_prefix_caching,
-                self.max_model_len, self._eos_token_ids, cc.prefill_threshold,
-                cc.max_waiting, cc.transfer_timeout_s, cc.max_prefill_queue_tokens,
-                cfg.long_context)
+                num_cpus=0, max_concurrency=10_000).remote(refs, cell)
 
         try:
             return create()
@@ -328,15 +382,14 @@ class ClusterEngine(ClusterClient):
     def shutdown(self) -> None:
         """Stop the scheduler and the workers (the scheduler is detached: it would
         outlive this process otherwise)."""
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        self.pools.stop()
         try:
             ray.get(self.scheduler.shutdown.remote(), timeout=10)
         finally:
             ray.kill(self.scheduler)
-            self._kill_workers()
-
-    def _kill_workers(self) -> None:
-        for actor in self.workers.values():
-            ray.kill(actor)
+            self.pools.kill_all()
 
 
 def _remove_stale_scheduler(name: str) -> bool:
@@ -355,7 +408,7 @@ def _remove_stale_scheduler(name: str) -> bool:
             return True
         except GetTimeoutError:
             return False   # busy, not dead: leave it alone
-        if not any(w["alive"] for w in stats["workers"]):
+        if not stats.live():
             log.warning("replacing scheduler %s: all its workers are dead (its driver "
                         "exited without shutting it down)", name)
             ray.kill(old)
@@ -363,26 +416,6 @@ def _remove_stale_scheduler(name: str) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(_STALE_POLL_S)
-
-
-def _launch(spec: WorkerSpec, pool: WorkerPoolConfig) -> Any:
-    """One worker actor with the pool's resources and torch threads."""
-    return ray.remote(Worker).options(**worker_options(pool, spec.device)).remote(
-        dataclasses.replace(spec, num_threads=pool.threads), pool.role)
-
-
-def worker_options(pool: WorkerPoolConfig, device: str) -> dict[str, Any]:
-    """Ray actor options for one worker of ``pool``. A worker on ``device: npu`` holds one
-    NPU (``{"NPU": 1}`` unless the pool names another amount): Ray then places it on a
-    node with a free NPU and sets ``ASCEND_RT_VISIBLE_DEVICES`` to it."""
-    resources = dict(pool.resources)
-    if device == "npu":
-        resources.setdefault("NPU", 1.0)
-    options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0),
-                               "num_gpus": resources.pop("GPU", 0), "max_restarts": 0}
-    if resources:
-        options["resources"] = resources
-    return options
 
 
 _background: set[asyncio.Task] = set()
@@ -396,6 +429,10 @@ def _detached(coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
     _background.add(task)
     task.add_done_callback(_background.discard)
     return task
+
+
+async def _abort_all(scheduler: Any, request_ids: list[str]) -> None:
+    await asyncio.gather(*(_aget(scheduler.abort.remote(rid)) for rid in request_ids))
 
 
 def _get(ref: Any) -> Any:

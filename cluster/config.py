@@ -24,7 +24,7 @@ from cluster.tool_calls import TOOL_CALL_PARSERS
 from kvcache.config import CacheConfig
 from kvcache.long_context import LongContextConfig, from_environment, log_sources
 from scheduler.config import SchedulerConfig
-from scheduler.protocol import SamplingParams
+from scheduler.protocol import Role, SamplingParams
 from workers.device import DEVICES, default_block_size
 from workers.loading.generation_defaults import (
     SAMPLING_DEFAULT_FIELDS,
@@ -32,7 +32,6 @@ from workers.loading.generation_defaults import (
 )
 from workers.ops import OPS_BACKENDS
 from workers.ops.quant_linear import check_quantization
-from workers.worker import ROLES
 
 DTYPES = ("float32", "float16", "bfloat16")
 log = logging.getLogger(__name__)
@@ -88,19 +87,26 @@ class WorkerPoolConfig:
 
     ``resources``: what one worker takes, e.g. ``{CPU: 1}``, ``{GPU: 1}`` or
     ``{NPU: 1}``, so Ray places one per device. ``num_threads``: torch threads per
-    worker; None follows the worker's CPU share (at least 1).
+    worker; None follows the worker's CPU share (at least 1). ``min_workers`` /
+    ``max_workers``: the autoscaler keeps the pool within them (None: ``count``, so a
+    pool with neither is fixed); ``count`` is where it starts.
     """
 
-    role: str = "mixed"
+    role: Role = Role.MIXED
     count: int = 1
     resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     num_threads: int | None = None
+    min_workers: int | None = None
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role: got {self.role!r}; allowed: {', '.join(ROLES)}")
+        self.role = Role.parse(self.role)
         if self.count < 1:
             raise ValueError(f"count: got {self.count}; expected an integer >= 1")
+        low, high = self.bounds
+        if not 1 <= low <= self.count <= high:
+            raise ValueError(f"min_workers/count/max_workers: got {low}/{self.count}/{high}; "
+                             "expected 1 <= min_workers <= count <= max_workers")
         for name, amount in self.resources.items():
             if amount <= 0:
                 raise ValueError(f"resources: got {name}: {amount}; amounts must be > 0")
@@ -109,10 +115,57 @@ class WorkerPoolConfig:
                              "or null for the CPU share")
 
     @property
+    def bounds(self) -> tuple[int, int]:
+        """(min_workers, max_workers), each ``count`` where not given."""
+        return (self.count if self.min_workers is None else self.min_workers,
+                self.count if self.max_workers is None else self.max_workers)
+
+    @property
     def threads(self) -> int:
         if self.num_threads is not None:
             return self.num_threads
         return max(1, int(self.resources.get("CPU", 1)))
+
+
+@dataclass
+class AutoscaleConfig:
+    """When the autoscaler adds or removes a worker of a pool whose ``min_workers`` and
+    ``max_workers`` differ.
+
+    A pool grows by one when any of its signals is over its limit: prefill (and mixed)
+    pools on ``queued_prefill_tokens`` per worker and ``ttft_target_s``; decode (and
+    mixed) pools on ``kv_usage_high``, ``running_seqs_high`` per worker and
+    ``tpot_target_s``; then waits ``scale_up_cooldown_s`` (the new worker loads) before
+    growing again. It shrinks by one once every signal, counted as if it had one worker
+    fewer, has stayed under ``scale_down_fraction`` of its limit for
+    ``scale_down_delay_s`` (hysteresis: the smaller pool starts well under the limits
+    that would grow it back). ``interval_s``: how often it decides.
+    """
+
+    interval_s: float = 1.0
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.25
+    queued_prefill_tokens: int = 2048
+    kv_usage_high: float = 0.8
+    running_seqs_high: int = 32
+    scale_down_fraction: float = 0.5
+    scale_down_delay_s: float = 30.0
+    scale_up_cooldown_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "ttft_target_s", "tpot_target_s", "scale_up_cooldown_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: got {getattr(self, name)}; expected > 0 seconds")
+        if self.scale_down_delay_s < 0:
+            raise ValueError(f"scale_down_delay_s: got {self.scale_down_delay_s}; expected "
+                             ">= 0 seconds")
+        for name in ("queued_prefill_tokens", "running_seqs_high"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: got {getattr(self, name)}; expected >= 1")
+        for name in ("kv_usage_high", "scale_down_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name}: got {getattr(self, name)}; expected a fraction "
+                                 "in (0, 1]")
 
 
 @dataclass
@@ -128,7 +181,9 @@ class ClusterConfig:
     (None: prompts always wait for a prefill worker).
     ``max_waiting``: requests queued (not yet running) before submissions are refused
     as overloaded. ``transfer_timeout_s``: a KV handoff slower than this is abandoned
-    and the sequence recomputed.
+    and the sequence recomputed. ``replace_backoff_s``: a dead worker is replaced after
+    this long, doubled for each failure of its pool in a row (at most a minute).
+    ``autoscale``: how pools with ``min_workers`` < ``max_workers`` grow and shrink.
     """
 
     name: str = "default"
@@ -138,8 +193,13 @@ class ClusterConfig:
     max_prefill_queue_tokens: int | None = 512
     max_waiting: int = 1024
     transfer_timeout_s: float = 30.0
+    replace_backoff_s: float = 1.0
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     def __post_init__(self) -> None:
+        if self.replace_backoff_s <= 0:
+            raise ValueError(f"replace_backoff_s: got {self.replace_backoff_s}; expected > 0 "
+                             "seconds")
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"name: got {self.name!r}; expected letters, digits, - and _")
         if self.prefill_threshold < 0:
@@ -358,5 +418,7 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
             return value
         if t in (str, bool) and isinstance(value, t):
             return value
+        if t is Role and isinstance(value, str):
+            return value   # the dataclass parses it, naming the roles allowed
     names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
     raise ConfigError(f"{path}: got {value!r}; expected {names}")

@@ -4,9 +4,9 @@ Two deployments. ``LLMCell`` (one replica) launches the cell, the worker actors 
 the global scheduler, and keeps them for the application's lifetime; ``Router``
 (FastAPI ingress, autoscaled) validates requests, applies the chat template,
 tokenizes, attaches to the cell's scheduler by name and streams tokens back. A
-request with ``n`` choices (or several prompts) runs as one scheduler request per
-choice, ``seed + index`` when seeded. ``build_app`` is the import path for
-``serve run`` and the CLI's ``serve``.
+request with ``n`` choices (or several prompts) runs as one stream per choice: choice
+k of a prompt is its sample index k under the request's seed, as everywhere else.
+``build_app`` is the import path for ``serve run`` and the CLI's ``serve``.
 """
 
 import asyncio
@@ -127,6 +127,7 @@ class _Choice:
     prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
+    sample_index: int = 0   # which of its prompt's choices
     stream: RequestStream | None = None
     out: CompletionOutput = field(default_factory=lambda: CompletionOutput(0))
     sent_text: int = 0
@@ -235,7 +236,7 @@ class Router:
             stats = await self.client.astats()
         except Exception as e:
             return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
-        alive = sum(w["alive"] for w in stats["workers"])
+        alive = len(stats.live())
         if not alive:
             return JSONResponse({"status": "unavailable", "reason": "no live worker"},
                                 status_code=503)
@@ -450,13 +451,12 @@ class Router:
                                f"more; lower max_tokens to at most {limit - len(ids)}",
                                param="max_tokens", code="context_length_exceeded")
             budget = max_tokens if max_tokens is not None else limit - len(ids)
+            params = req.sampling_params(budget, logprobs, req.seed, self.sampling_defaults,
+                                         structured)
             for i in range(samples):
-                seed = None if req.seed is None else req.seed + i
-                params = req.sampling_params(budget, logprobs, seed, self.sampling_defaults,
-                                             structured)
                 if i:   # a prompt's logprobs are computed once, by its first sample
                     params = dataclasses.replace(params, prompt_logprobs=None)
-                choices.append(_Choice(len(choices), text, ids, params, hide_logprobs=hide))
+                choices.append(_Choice(len(choices), text, ids, params, i, hide_logprobs=hide))
         return choices
 
     async def _respond(self, req: Any, choices: list[_Choice], prefix: str,
@@ -486,7 +486,8 @@ class Router:
         try:
             for c in choices:
                 c.stream = await self.client.open_stream(
-                    c.prompt_ids, c.params, c.prompt, f"{request_id}-{c.index}")
+                    c.prompt_ids, c.params, c.prompt, f"{request_id}-{c.index}",
+                    sample_index=c.sample_index)
         except BaseException as e:
             await self._close(choices)
             raise _scheduler_error(e) from None

@@ -58,7 +58,13 @@ class BatchScheduler:
 
     # ---- requests ------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-            priority: int = 0) -> None:
+            priority: int = 0, sample_index: int = 0) -> None:
+        """Queue a request: its ``sampling.n`` choices fork after its prompt, or, with
+        n = 1, the single choice ``sample_index`` (a choice of a request whose choices
+        run as requests of their own, as on the cluster)."""
+        if sampling.n > 1 and sample_index:
+            raise ValueError(f"sample_index: got {sample_index} for n={sampling.n}; a "
+                             "request of several choices starts at choice 0")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -69,7 +75,7 @@ class BatchScheduler:
             raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
                              f"{self.config.max_num_batched_tokens}; enable chunked prefill")
         seq = Sequence(child_seq_id(request_id, 0), request_id, list(prompt_token_ids), n,
-                       sampling, next(self._arrivals), priority)
+                       sampling, next(self._arrivals), priority, sample_index)
         self.seqs[seq.seq_id] = seq
         self.requests[request_id] = [seq]
         self.waiting.push(seq)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache.long_context import LongContextConfig
+
 POLICIES = ("fcfs", "priority")
 
 
@@ -32,3 +34,26 @@ class SchedulerConfig:
                              "expected an integer >= 2 or null for the model's own")
         if self.policy not in POLICIES:
             raise ValueError(f"policy: got {self.policy!r}; allowed: {', '.join(POLICIES)}")
+
+
+@dataclass
+class CellConfig:
+    """Everything the global scheduler of one cell needs besides its workers.
+
+    ``prefill_threshold``: shorter prompts are prefilled on a decode worker.
+    ``max_prefill_queue_tokens``: past this many prompt tokens waiting on every prefill
+    worker, a prompt goes where it costs least (None: always to a prefill worker).
+    ``max_waiting``: queued requests before submissions are refused as overloaded.
+    ``transfer_timeout_s``: a slower KV handoff is abandoned and recomputed.
+    """
+
+    batch: SchedulerConfig
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    enable_prefix_caching: bool = True
+    prefill_threshold: int = 0
+    max_prefill_queue_tokens: int | None = None
+    max_waiting: int = 1024
+    transfer_timeout_s: float = 30.0
+    long_context: LongContextConfig | None = None

@@ -10,6 +10,7 @@ as msgpack (``encode`` / ``decode``), so they hold only plain values.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import types
@@ -20,6 +21,28 @@ from typing import Any, TypeVar
 import msgpack
 
 _MAX_SEED = 2**63 - 1
+
+
+class Role(str, enum.Enum):
+    """What a worker is for; the scheduler places by it, the worker only carries it.
+
+    A ``str`` so that it reads and compares as the YAML spelling (``"prefill"``)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    MIXED = "mixed"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any, name: str = "role") -> Role:
+        """``value`` as a role, or a ``ValueError`` naming ``name`` and the roles allowed."""
+        try:
+            return cls(value)
+        except ValueError:
+            allowed = ", ".join(r.value for r in cls)
+            raise ValueError(f"{name}: got {value!r}; allowed: {allowed}") from None
 
 
 @dataclass

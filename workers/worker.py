@@ -33,13 +33,11 @@ from kvcache.kv_transport import (
 )
 from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import PeerSegments
-from scheduler.protocol import StepPlan, decode, encode
+from scheduler.protocol import Role, StepPlan, decode, encode
 from workers.device import resolve_device
 from workers.kv_streams import transfer_streams
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
-
-ROLES = ("prefill", "decode", "mixed")
 
 
 @dataclass
@@ -73,13 +71,11 @@ class WorkerInfo:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, role: str, node_id: str | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, role: Role | str, node_id: str | None = None) -> None:
         """``node_id`` defaults to Ray's node, else this host's name; a worker with another
         node id than a peer's never shares memory with it."""
-        if role not in ROLES:
-            raise ValueError(f"role: got {role!r}; allowed: {', '.join(ROLES)}")
+        self.role = Role.parse(role)
         torch.set_num_threads(spec.num_threads)
-        self.role = role
         dtype = getattr(torch, spec.dtype)
         ckpt = load_checkpoint(spec.model_path, dtype=dtype, tokenizer=spec.tokenizer)
         model_max = ckpt.config.max_position_embeddings
@@ -183,7 +179,7 @@ class Worker:
         return first * self.runner.kv_shape.bytes_per_block
 
     def ping(self) -> str:
-        return self.role
+        return self.role.value
 
 
 def _node_id() -> str:

@@ -62,8 +62,8 @@ class MidRunKill:
             os.kill(ray.get(actor.__ray_call__.remote(lambda _: os.getpid())), signal.SIGSTOP)
 
     def holds_sequences(self) -> bool:
-        w = next(w for w in self.engine.stats()["workers"] if w["worker_id"] == self.victim)
-        return w["num_running"] + w["num_waiting"] > 0
+        w = next(w for w in self.engine.stats().workers if w.worker_id == self.victim)
+        return w.num_running + w.num_waiting > 0
 
     def __call__(self, seen: int) -> None:
         import ray

@@ -41,14 +41,14 @@ def test_1p1d_matches_one_process(ray_instance, tiny_long_factory, offload_bound
         {"role": "decode", "resources": {"CPU": 0.5}}]))
     try:
         assert _run(engine, prompts()) == local
-        decode = next(w for w in _wait_idle(engine)["workers"] if w["role"] == "decode")
-        assert decode["kv_received"]["count"] >= 3
-        assert decode["tiers"]["host_used"] == 0   # every sequence finished: both tiers free
-        tier = decode["tier_stats"]
-        assert tier["selections"] > 0
+        decode = next(w for w in _wait_idle(engine).workers if w.role == "decode")
+        assert decode.kv_received.count >= 3
+        assert decode.tiers.host_used == 0   # every sequence finished: both tiers free
+        tier = decode.tier_stats
+        assert tier.selections > 0
         if offload_boundary == 384:
             # The 420-token prompt's middle went straight to the host tier: 421 tokens at
             # its first decode leave blocks 2..21 (32 initial tokens, local from 352).
-            assert tier["received_blocks"] == 20 and tier["recalled_blocks"] > 0
+            assert tier.received_blocks == 20 and tier.recalled_blocks > 0
     finally:
         engine.shutdown()

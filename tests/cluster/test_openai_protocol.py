@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import metrics
 from cluster.config import EngineConfig, config_from_dict, load_config, with_default_pools
 from cluster.openai_protocol import (
     APIError,
@@ -18,6 +20,16 @@ from cluster.openai_protocol import (
 )
 from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, Logprob
+from scheduler.protocol import Role, TierStats
+from scheduler.stats import (
+    CellStats,
+    PoolReport,
+    StepTimes,
+    TransferStats,
+    WorkerReport,
+    WorkerState,
+)
+from scheduler.tiering import TierUsage
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -84,6 +96,53 @@ def test_streamable_text_holds_back_a_possible_stop_string():
     assert streamable_text(out, []) == "hello wor"
     out.finish_reason = "length"
     assert streamable_text(out, ["world"]) == "hello wor"
+
+
+def test_metrics_render_transports_migrations_pools_and_tiers():
+    """The series the typed snapshot adds to vLLM's (see test_vllm_api): handoffs per
+    transport, migrations, recent latencies, pools and autoscaler decisions, and the
+    long-context tiers only when on; parsed back by prometheus_client."""
+    worker = WorkerReport("decode-0", Role.DECODE, WorkerState.SERVING, num_blocks=100,
+                          num_free_blocks=75, num_used_blocks=25, num_running=3,
+                          num_waiting=1, worker_num_seqs=3, prefix_hit_rate=0.5,
+                          step_times=StepTimes(steps=9),
+                          kv_received=TransferStats(count=3, bytes=1024, seconds=0.25,
+                                                    transports={"shm": 2, "object_store": 1}))
+    pool = PoolReport(Role.DECODE, target=2, serving=1, pending=1, draining=0,
+                      min_workers=1, max_workers=4, scale_ups=3, scale_downs=1)
+    stats = CellStats([worker], num_requests=4, num_waiting=1, num_handoffs=0,
+                      num_recovered=0, num_migrated=5, ttft_s=0.5, pools=[pool])
+
+    def samples() -> dict[tuple[str, tuple], float]:
+        text = metrics.render(stats, "m").decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    got = samples()
+    m = (("model_name", "m"),)
+    w = (("model_name", "m"), ("role", "decode"), ("worker", "decode-0"))
+    assert got[("llm_cluster_kv_transfers_total", w)] == 3
+    for transport, count in (("shm", 2), ("object_store", 1)):
+        assert got[("llm_cluster_kv_transfers_by_transport_total",
+                    (*w[:2], ("transport", transport), w[2]))] == count
+    assert got[("llm_cluster_worker_steps_total", w)] == 9
+    assert got[("llm_cluster_migrated_requests_total", m)] == 5
+    assert got[("llm_cluster_recent_ttft_seconds", m)] == 0.5
+    assert not any(name == "llm_cluster_recent_tpot_seconds" for name, _ in got)   # no data
+    assert got[("llm_cluster_pool_workers", (*m, ("role", "decode"), ("state", "pending")))] == 1
+    assert got[("llm_cluster_pool_target_workers", (*m, ("role", "decode")))] == 2
+    for direction, count in (("up", 3), ("down", 1)):
+        assert got[("llm_cluster_autoscale_decisions_total",
+                    (("direction", direction), *m, ("role", "decode")))] == count
+    assert not any("host_kv" in name for name, _ in got)   # long contexts off
+    worker.tiers = TierUsage(host_blocks=64, host_used=16, offloaded_seqs=2, sparse_seqs=1)
+    worker.tier_stats = TierStats(offloaded_blocks=40, received_blocks=8,
+                                  recalled_blocks=96, recall_hits=32)
+    got = samples()
+    assert got[("llm_cluster_host_kv_usage_ratio", w)] == 0.25
+    assert got[("llm_cluster_num_requests_offloaded", w)] == 2
+    assert got[("llm_cluster_kv_offloaded_blocks_total", w)] == 40
+    assert got[("llm_cluster_kv_recall_hits_total", w)] == 32
 
 
 def test_presets_validate_and_default_yaml_is_the_serving_default():

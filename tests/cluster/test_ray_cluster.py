@@ -96,22 +96,22 @@ def _wait_idle(engine: ClusterEngine, timeout_s: float = 60.0) -> dict[str, Any]
     deadline = time.monotonic() + timeout_s
     while True:
         stats = engine.stats()
-        live = [w for w in stats["workers"] if w["alive"]]
-        if all(w["num_used_blocks"] == 0 and w["worker_num_seqs"] == 0 for w in live) \
+        live = [w for w in stats.workers if w.alive]
+        if all(w.num_used_blocks == 0 and w.worker_num_seqs == 0 for w in live) \
                 or time.monotonic() > deadline:
             return stats
         time.sleep(0.05)
 
 
 def _by_id(stats: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {w["worker_id"]: w for w in stats["workers"]}
+    return {w.worker_id: w for w in stats.workers}
 
 
 def _assert_pools_empty(stats: dict[str, Any]) -> None:
-    for w in stats["workers"]:
-        if w["alive"]:
-            assert (w["worker_id"], w["num_used_blocks"], w["worker_num_seqs"]) == \
-                (w["worker_id"], 0, 0)
+    for w in stats.workers:
+        if w.alive:
+            assert (w.worker_id, w.num_used_blocks, w.worker_num_seqs) == \
+                (w.worker_id, 0, 0)
 
 
 @pytest.mark.slow
@@ -124,21 +124,21 @@ def test_greedy_outputs_equal_the_one_process_engine(tiny_factory, make_cluster,
     assert _run(engine, prompts) == expected
     stats = _wait_idle(engine)
     _assert_pools_empty(stats)
-    sent = sum(w["kv_sent"]["count"] for w in stats["workers"])
+    sent = sum(w.kv_sent.count for w in stats.workers)
     if layout == "mixed":
         assert sent == 0
     else:  # every long prompt was handed over, short ones were prefilled on decode workers
         assert sent == sum(1 for p in prompts if len(p) >= 16)
-        assert all(w["kv_sent"]["failures"] == 0 for w in stats["workers"])
-        decode_steps = [w["num_steps"] for w in stats["workers"] if w["role"] == "decode"]
+        assert all(w.kv_sent.failures == 0 for w in stats.workers)
+        decode_steps = [w.num_steps for w in stats.workers if w.role == "decode"]
         assert all(n > 0 for n in decode_steps)
-        received = sum(w["kv_received"]["bytes"] for w in stats["workers"])
-        assert received == sum(w["kv_sent"]["bytes"] for w in stats["workers"]) > 0
-    for w in stats["workers"]:   # the figures metrics and autoscaling read
-        assert w["alive"] and w["num_free_blocks"] == w["num_blocks"] > 0
-        assert (w["num_running"], w["num_waiting"]) == (0, 0)
-        assert w["num_steps"] > 0 and w["mean_step_s"] >= w["mean_execute_s"] > 0
-        assert 0.0 <= w["prefix_hit_rate"] <= 1.0
+        received = sum(w.kv_received.bytes for w in stats.workers)
+        assert received == sum(w.kv_sent.bytes for w in stats.workers) > 0
+    for w in stats.workers:   # the figures metrics and autoscaling read
+        assert w.alive and w.num_free_blocks == w.num_blocks > 0
+        assert (w.num_running, w.num_waiting) == (0, 0)
+        assert w.num_steps > 0 and w.mean_step_s >= w.mean_execute_s > 0
+        assert 0.0 <= w.prefix_hit_rate <= 1.0
 
 
 @pytest.mark.slow
@@ -153,7 +153,7 @@ def test_placement_by_prefill_backlog_keeps_the_greedy_text(tiny_factory, make_c
     assert _run(engine, prompts) == _local(model, prompts)
     stats = _wait_idle(engine)
     _assert_pools_empty(stats)
-    assert sum(w["kv_sent"]["count"] for w in stats["workers"]) <= \
+    assert sum(w.kv_sent.count for w in stats.workers) <= \
         sum(1 for p in prompts if len(p) >= 16)
 
 
@@ -187,20 +187,20 @@ def test_decode_prefix_cache_receives_only_the_missing_blocks(tiny_factory, make
     second = first[:48] + [rng.randrange(3, 256) for _ in range(22)]  # 3 shared, 5 in all
     engine = make_cluster(model, "1p1d")
     assert _run(engine, [first]) == _local(model, [first])
-    sent_first = engine.stats()["workers"][0]["kv_sent"]["bytes"]
+    sent_first = engine.stats().workers[0].kv_sent.bytes
     assert _run(engine, [second]) == _local(model, [second])
     stats = _wait_idle(engine)
-    sent_second = stats["workers"][0]["kv_sent"]["bytes"] - sent_first
+    sent_second = stats.workers[0].kv_sent.bytes - sent_first
     # Only blocks 3 and 4 of 5 travel (4 did the first time); the KV payload dominates
     # the batch, the hash and count columns add a few bytes.
     assert sent_second / sent_first == pytest.approx(2 / 4, rel=0.01)
-    decode = stats["workers"][1]
-    assert decode["prefix_hit_rate"] > 0
+    decode = stats.workers[1]
+    assert decode.prefix_hit_rate > 0
     _assert_pools_empty(stats)
     # The first prompt again: the decode side holds all of it, nothing travels.
     assert _run(engine, [first]) == _local(model, [first])
     stats = _wait_idle(engine)
-    assert stats["workers"][0]["kv_sent"]["bytes"] == sent_first + sent_second
+    assert stats.workers[0].kv_sent.bytes == sent_first + sent_second
     _assert_pools_empty(stats)
 
 
@@ -226,7 +226,7 @@ def test_aborts_at_any_point_free_blocks_in_both_pools(tiny_factory, make_cluste
                 engine.abort_request(out.request_id)
     stats = _wait_idle(engine)
     _assert_pools_empty(stats)
-    assert stats["num_requests"] == 0
+    assert stats.num_requests == 0
 
 
 def test_overload_refuses_at_once_and_loses_nothing(tiny_factory, make_cluster):
@@ -270,11 +270,11 @@ def test_killed_worker_is_recovered_without_repeats(tiny_factory, make_cluster, 
     assert kill.killed_at is not None
     stats = _wait_idle(engine)
     deadline = time.monotonic() + 60.0
-    while _by_id(stats)[victim]["alive"] and time.monotonic() < deadline:
+    while _by_id(stats)[victim].alive and time.monotonic() < deadline:
         time.sleep(0.1)   # an idle worker's death is noticed at its next ping
         stats = engine.stats()
-    assert not _by_id(stats)[victim]["alive"]
-    assert stats["num_recovered"] > 0
+    assert not _by_id(stats)[victim].alive
+    assert stats.num_recovered > 0
     _assert_pools_empty(stats)
 
 
@@ -300,10 +300,10 @@ def test_timed_out_transfers_are_abandoned_and_recomputed(tiny_factory, make_clu
     engine = make_cluster(model, "1p1d", transfer_timeout_s=1e-6)
     assert _run(engine, prompts) == _local(model, prompts)
     stats = _wait_idle(engine)
-    prefill, decode = stats["workers"]
-    assert prefill["alive"] and decode["alive"]
-    assert prefill["kv_sent"]["failures"] == len(prompts)
-    assert decode["kv_received"]["count"] == 0
+    prefill, decode = stats.workers
+    assert prefill.alive and decode.alive
+    assert prefill.kv_sent.failures == len(prompts)
+    assert decode.kv_received.count == 0
     _assert_pools_empty(stats)
 
 
@@ -324,17 +324,27 @@ def test_generate_stream_yields_growing_outputs(tiny_factory, make_cluster):
     assert len(seen) > 1
 
 
-def test_a_second_scheduler_of_the_same_name_and_n_above_one_are_refused(tiny_factory,
-                                                                         make_cluster):
+def test_a_second_scheduler_of_the_same_name_is_refused_and_n_3_matches_offline(
+        tiny_factory, make_cluster):
     model = tiny_factory("llama").path
-    engine = make_cluster(model, "mixed")
+    engine = make_cluster(model, "1p1d")
     config = _config(model, LAYOUTS["mixed"])
     config.cluster.name = engine.config.cluster.name
     with pytest.raises(ValueError, match="cluster.name: a scheduler named 'llm-scheduler-test"):
         ClusterEngine(config)
-    with pytest.raises(ValueError, match="n: got 2; the cluster runs n=1 only"):
-        engine.add_request("x", None, [5, 6, 7], SamplingParams(n=2))
-    assert engine.stats()["num_requests"] == 0
+    assert engine.stats().num_requests == 0
+    # n = 3 seeded: the same three choices as the one-process engine's forked ones.
+    sp = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(config=_config(model))
+    want = [[c.token_ids for c in o.outputs]
+            for o in llm.generate([{"prompt_token_ids": p} for p in _prompts(4)], sp)]
+    assert all(len({tuple(t) for t in choices}) == 3 for choices in want)
+    for i, p in enumerate(_prompts(4)):
+        engine.add_request(f"n{i}", None, p, sp)
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, [c.token_ids for c in o.outputs]) for o in engine.step())
+    assert [done[f"n{i}"] for i in range(4)] == want
 
 
 def test_a_scheduler_left_behind_by_a_dead_driver_is_replaced(tiny_factory, ray_instance):
@@ -343,6 +353,7 @@ def test_a_scheduler_left_behind_by_a_dead_driver_is_replaced(tiny_factory, ray_
     model = tiny_factory("llama").path
     config = _config(model, LAYOUTS["mixed"])
     stale = ClusterEngine(config)
+    stale.pools.stop()   # the driver's pool thread dies with it
     for actor in stale.workers.values():
         ray_instance.kill(actor)
     engine = ClusterEngine(config)

@@ -53,7 +53,7 @@ def test_greedy_chat_equals_the_one_process_engine(ray_instance, expected, layou
         llm.shutdown()
     assert [(o.outputs[0].text, o.outputs[0].token_ids) for o in outs] == expected
     if layout != "mixed":   # the long chat prompts went through a KV handoff
-        assert sum(w["kv_sent"]["count"] for w in stats["workers"]) >= 4
+        assert sum(w.kv_sent.count for w in stats.workers) >= 4
 
 
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
@@ -88,4 +88,4 @@ def test_killed_worker_mid_run_changes_no_text(ray_instance, expected, mid_run_k
         llm.shutdown()
     assert [done[r] for r in ids] == expected
     assert kill.killed_at is not None
-    assert stats["num_recovered"] > 0
+    assert stats.num_recovered > 0

@@ -128,18 +128,44 @@ def test_stop_string_cuts_the_text(client, local_llm):
     assert text == full[:full.index(stop)]
 
 
-def test_n_and_seed_reproducibility(client):
-    def sample(n: int, seed: int) -> list[str]:
-        out = client.completions.create(model=MODEL, prompt="Once upon a time", n=n,
-                                        seed=seed, temperature=1.0, max_tokens=16)
+def test_n_3_with_a_seed_gives_the_same_choices_offline_on_the_cluster_and_over_http(
+        client, local_llm):
+    """Choice k of a seeded request is sample index k under its seed on every path: the
+    one-process engine forks its choices after the prompt, the cluster's Python client
+    submits each as a request of its own, the HTTP router streams each apart."""
+    import asyncio
+
+    from cluster.cluster_engine import ClusterClient
+
+    prompt = "Once upon a time"
+    params = SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=16)
+
+    def http(n: int, seed: int) -> list[str]:
+        out = client.completions.create(model=MODEL, prompt=prompt, n=n, seed=seed,
+                                        temperature=1.0, max_tokens=16)
         assert [c.index for c in out.choices] == list(range(n))
         return [c.text for c in out.choices]
 
-    pair = sample(2, seed=7)
-    assert sample(2, seed=7) == pair
-    # choice i is sampled with seed + i
-    assert sample(1, seed=7) == pair[:1]
-    assert sample(1, seed=8) == pair[1:]
+    offline = [c.text for c in local_llm.generate(prompt, params)[0].outputs]
+    assert len(set(offline)) == 3   # three different samples, not one thrice
+    tokenizer = local_llm.get_tokenizer()
+    cell = ClusterClient.attach("serving-test", tokenizer, tokenizer.vocab_size, 2048)
+    text, ids = cell.tokenize_prompt(prompt)
+
+    async def streamed() -> list[str]:
+        last = None
+        async for out in cell.generate_stream(ids, params, text):
+            last = out
+        return [c.text for c in last.outputs]
+
+    assert asyncio.run(streamed()) == offline
+    cell.add_request("n3", text, ids, params)
+    done = []
+    while cell.has_unfinished():
+        done += cell.step()
+    assert [c.text for c in done[0].outputs] == offline
+    assert http(3, seed=7) == offline
+    assert http(1, seed=7) == offline[:1]   # choice 0 does not depend on n
 
 
 def test_streaming_n_2_gives_both_choices(client):

@@ -5,6 +5,7 @@ chat-template overrides, and the metrics a scheduler snapshot renders."""
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,8 +23,9 @@ from cluster.openai_protocol import (
     parse_request,
 )
 from cluster.vllm_args import SERVE_FLAGS, config_overrides, field_type
-from scheduler.protocol import NewSequence, SamplingParams, decode, encode
+from scheduler.protocol import NewSequence, Role, SamplingParams, decode, encode
 from scheduler.serving_stats import RequestTimes, ServingStats
+from scheduler.stats import CellStats, TransferStats, WorkerReport, WorkerState
 from workers.chat_template import load_chat_template
 from workers.sampler import Sampler, SamplingRow
 
@@ -188,14 +190,14 @@ def test_chat_template_from_a_file_or_text(tmp_path):
 
 
 # ---- metrics -------------------------------------------------------------------------
-def _worker(worker_id: str, role: str, **kw) -> dict:
-    base = {"worker_id": worker_id, "role": role, "alive": True, "num_running": 2,
-            "num_waiting": 1, "num_used_blocks": 30, "num_blocks": 100,
-            "num_free_blocks": 70, "prefix_hit_rate": 0.25, "prefix_queried_tokens": 400,
-            "prefix_hit_tokens": 100, "num_preemptions": 3,
-            "kv_received": {"bytes": 1024, "seconds": 0.5, "count": 2},
-            "kv_sent": {"failures": 1}}
-    return {**base, **kw}
+def _worker(worker_id: str, role: str, **kw: Any) -> WorkerReport:
+    base: dict[str, Any] = dict(
+        state=WorkerState.SERVING, num_running=2, num_waiting=1, num_used_blocks=30,
+        num_blocks=100, num_free_blocks=70, worker_num_seqs=2, prefix_hit_rate=0.25,
+        prefix_queried_tokens=400, prefix_hit_tokens=100, num_preemptions=3,
+        kv_received=TransferStats(bytes=1024, seconds=0.5, count=2),
+        kv_sent=TransferStats(failures=1))
+    return WorkerReport(worker_id, Role(role), **{**base, **kw})
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -216,8 +218,6 @@ def test_serving_stats_latencies_by_hand():
 
 
 def test_metrics_carry_vllm_names_and_the_scheduler_values():
-    from dataclasses import asdict
-
     serving = ServingStats()
     for arrival, first, end, reason in ((0.0, 0.02, 0.3, "stop"), (0.0, 3.0, 7.0, "length")):
         t = RequestTimes(arrival)
@@ -225,9 +225,11 @@ def test_metrics_carry_vllm_names_and_the_scheduler_values():
         serving.tokens(t, 5, 4, end)
         serving.finish(t, reason, end)
     serving.error("overloaded")
-    stats = {"workers": [_worker("prefill-0", "prefill"),
-                         _worker("decode-0", "decode", num_used_blocks=50, alive=False)],
-             "num_waiting": 4, "num_recovered": 1, "serving": asdict(serving)}
+    stats = CellStats([_worker("prefill-0", "prefill"),
+                       _worker("decode-0", "decode", num_used_blocks=50,
+                               state=WorkerState.LOST)],
+                      num_requests=0, num_waiting=4, num_handoffs=0, num_recovered=1,
+                      serving=serving)
     s = _samples(metrics.render(stats, "tiny").decode())
     m = (("model_name", "tiny"),)
     assert s[("vllm:prompt_tokens_total", m)] == 10

@@ -28,20 +28,23 @@ def _field_type(tp: Any) -> str | list[str]:
     return _JSON_TYPES[typing.get_origin(tp) or tp]
 
 
+def _object_schema(cls: type, path: tuple[str, ...]) -> dict[str, Any]:
+    """A dataclass's fields with their JSON types; a nested dataclass (such as
+    ``cluster.autoscale``) as an object of its own."""
+    hints = typing.get_type_hints(cls)
+    props: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if (*path, f.name) in CHART_OWNED:
+            continue
+        tp = hints[f.name]
+        props[f.name] = (_object_schema(tp, (*path, f.name)) if dataclasses.is_dataclass(tp)
+                         else {"type": _field_type(tp)})
+    return {"type": "object", "additionalProperties": False, "properties": props}
+
+
 def engine_config_schema() -> dict[str, Any]:
     """Every section and field of ``EngineConfig`` with its JSON type, nothing else."""
-    sections = {}
-    for section in dataclasses.fields(EngineConfig):
-        cls = typing.get_type_hints(EngineConfig)[section.name]
-        hints = typing.get_type_hints(cls)
-        sections[section.name] = {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {f.name: {"type": _field_type(hints[f.name])}
-                           for f in dataclasses.fields(cls)
-                           if (section.name, f.name) not in CHART_OWNED},
-        }
-    return {"type": "object", "additionalProperties": False, "properties": sections}
+    return _object_schema(EngineConfig, ())
 
 
 if __name__ == "__main__":

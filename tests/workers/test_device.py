@@ -93,8 +93,8 @@ def test_npu_kv_budget_is_memory_fraction_of_free_memory(fake_npu):
 
 
 def test_npu_workers_ask_ray_for_one_npu():
-    from cluster.cluster_engine import worker_options
     from cluster.config import WorkerPoolConfig
+    from cluster.pools import worker_options
 
     pool = WorkerPoolConfig(role="decode", resources={"CPU": 2})
     assert worker_options(pool, "npu") == {"num_cpus": 2, "num_gpus": 0, "max_restarts": 0,

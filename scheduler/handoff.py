@@ -1,0 +1,138 @@
+"""A KV handoff: one sequence's computed KV moves from one worker's pool to another's.
+
+The receiver reserves blocks (reusing its own prefix cache), the sender exports only
+the rest through the transport the two workers share (``kvcache.kv_transport``: shared
+memory on one node, else the object store, in parts), the receiver imports that
+export; the sender frees its blocks (they stay in
+its prefix cache) only after the receiver has acknowledged. Bytes never pass here: the
+sender's handle makes an export and the receiver's handle takes it. A prefilled
+sequence leaving a prefill worker and a running one leaving a draining worker move
+the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass
+
+from kvcache.kv_transport import HandoffInfo, plan_handoff
+from scheduler.cell_worker import CellWorker
+from scheduler.sequence import Sequence
+from scheduler.worker_handle import KVExport
+
+log = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    MOVED = "moved"
+    TIMED_OUT = "timed out"   # abandoned: the receiver may just be slow
+    FAILED = "failed"         # refused, lost, or broken: the receiver may be gone
+
+
+@dataclass
+class HostRows:
+    """Rows of a handoff's export, from ``first_row`` on, that go to the receiver's host
+    tier (``block_ids``), the middle of a sequence arriving in offload mode."""
+
+    first_row: int
+    block_ids: list[int]
+
+
+@dataclass(eq=False)
+class Handoff:
+    src: CellWorker
+    dst: CellWorker
+    seq: Sequence
+    fresh: list[int]          # receiver blocks the export fills
+    host: HostRows
+    export: KVExport | None   # None: the receiver's prefix cache held everything
+
+    @classmethod
+    def begin(cls, src: CellWorker, dst: CellWorker, seq: Sequence,
+              block_size: int) -> Handoff | None:
+        """Reserve room on ``dst``, take ``seq`` out of ``src``'s batch (its blocks stay)
+        and submit the export; None, with nothing changed, when ``dst`` has no room."""
+        tiers = dst.batch.tiers
+        # A sequence that will decode in offload mode sends its middle to the host tier.
+        middle = tiers.middle_to_receive(seq.num_computed_tokens + 1) if tiers else None
+        reserved = dst.kv.reserve(seq.seq_id, seq.token_ids, seq.num_computed_tokens, middle)
+        if reserved is None:
+            return None
+        cached, fresh = reserved
+        host = HostRows(middle[0] - len(cached), tiers.receive(seq.seq_id, middle)) \
+            if middle else HostRows(0, [])
+        src.batch.detach(seq.seq_id)
+        count = len(fresh) + len(host.block_ids)
+        export = _export(src, dst, seq, len(cached), count, block_size) if count else None
+        src.outgoing += 1
+        return cls(src, dst, seq, fresh, host, export)
+
+    async def run(self, timeout_s: float) -> Outcome:
+        """Move the KV. Failures are counted and logged."""
+        start = time.perf_counter()
+        try:
+            if self.export is not None:
+                info, exported = await asyncio.wait_for(self._move(), timeout_s)
+                elapsed = time.perf_counter() - start
+                for stats in (self.src.sent, self.dst.received):
+                    stats.count += 1
+                    stats.bytes += info.nbytes
+                    stats.seconds += elapsed
+                    stats.export_seconds += exported - start
+                    kind = info.transport.value
+                    stats.transports[kind] = stats.transports.get(kind, 0) + 1
+            return Outcome.MOVED
+        except asyncio.TimeoutError:
+            log.warning("KV transfer of %s from %s to %s took over %.1f s: abandoned",
+                        self.seq.seq_id, self.src.worker_id, self.dst.worker_id, timeout_s)
+            outcome = Outcome.TIMED_OUT
+        except Exception as e:   # refused (KVTransferError), a lost worker, anything else
+            log.warning("KV transfer of %s from %s to %s failed (%s)", self.seq.seq_id,
+                        self.src.worker_id, self.dst.worker_id, e)
+            outcome = Outcome.FAILED
+        self.src.sent.failures += 1
+        self.dst.received.failures += 1
+        return outcome
+
+    def release_source(self) -> None:
+        """The sender's part is over (moved or not): free its blocks."""
+        self.src.kv.free(self.seq.seq_id)
+        self.src.outgoing -= 1
+        self.src.wake.set()
+
+    def commit(self) -> None:
+        """The receiver runs the sequence from its imported KV."""
+        self.dst.kv.commit(self.seq.seq_id, self.seq.token_ids, self.seq.num_computed_tokens)
+        self.dst.batch.adopt(self.seq, computed=True)
+
+    def drop_reservation(self) -> None:
+        """Free what the receiver reserved, in both tiers."""
+        self.dst.kv.free(self.seq.seq_id)
+        if self.dst.batch.tiers is not None:
+            self.dst.batch.tiers.release(self.seq.seq_id)
+
+    async def _move(self) -> tuple[HandoffInfo, float]:
+        """Once the export is done, import it; (the export's info, when it was done)."""
+        assert self.export is not None
+        info = await self.export.ready()
+        exported = time.perf_counter()
+        await self.dst.handle.import_kv(self.export, self.fresh, self.host.first_row,
+                                        self.host.block_ids)
+        return info, exported
+
+
+def _export(src: CellWorker, dst: CellWorker, seq: Sequence, first: int, count: int,
+            block_size: int) -> KVExport:
+    """Submit the export of ``count`` of the sequence's blocks from block ``first`` on,
+    through the transport the two workers share."""
+    blocks = src.kv.block_ids(seq.seq_id)[first:first + count]
+    hashes = src.kv.block_hashes(seq.seq_id)
+    n = seq.num_computed_tokens
+    counts = [min(block_size, n - i * block_size) for i in range(first, first + count)]
+    block_hashes = [hashes[i] if c == block_size and i < len(hashes) else None
+                    for i, c in zip(range(first, first + count), counts)]
+    plan = plan_handoff(src.ref.place, dst.ref.place, count)
+    return src.handle.export_kv(blocks, block_hashes, counts, plan)
