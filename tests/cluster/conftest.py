@@ -69,7 +69,11 @@ class MidRunKill:
         import ray
 
         if self.killed_at is None and self.holds_sequences():
-            ray.kill(self.engine.workers[self.victim])
+            # A frozen worker may be found lost, killed and replaced by the cell's pool
+            # manager before this: then it is gone already.
+            actor = self.engine.workers.get(self.victim)
+            if actor is not None:
+                ray.kill(actor)
             self.killed_at = seen
 
 
