@@ -141,8 +141,9 @@ def test_n_3_with_a_seed_gives_the_same_choices_offline_on_the_cluster_and_over_
     params = SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=16)
 
     def http(n: int, seed: int) -> list[str]:
+        # top_p given: a request that omits it takes the model's default (0.9), not 1.0
         out = client.completions.create(model=MODEL, prompt=prompt, n=n, seed=seed,
-                                        temperature=1.0, max_tokens=16)
+                                        temperature=1.0, top_p=1.0, max_tokens=16)
         assert [c.index for c in out.choices] == list(range(n))
         return [c.text for c in out.choices]
 
