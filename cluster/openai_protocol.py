@@ -10,7 +10,7 @@ is an ``APIError`` that the router renders as ``{"error": {"message", "type", "p
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -249,11 +249,13 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object for tokens ``start:`` of ``out``."""
+def _legacy_logprobs(rows: Iterable[tuple[int, dict[int, Logprob]]],
+                     text_offset: int) -> dict[str, list[Any]]:
+    """The legacy completions ``logprobs`` lists for (token, its logprob entry) rows, the
+    first row's text starting at ``text_offset``."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
-    for tok, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+    for tok, entry in rows:
         piece = entry[tok].decoded_token or ""
         tokens.append(piece)
         token_lps.append(entry[tok].logprob)
@@ -264,24 +266,22 @@ def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> 
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def completion_logprobs(out: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object for tokens ``start:`` of ``out``."""
+    return _legacy_logprobs(zip(out.token_ids[start:], (out.logprobs or [])[start:]),
+                            text_offset)
 
 
 def echo_logprobs(prompt_ids: list[int], prompt_lps: list[dict[int, Logprob] | None],
                   first_piece: str) -> dict[str, Any]:
     """The legacy ``logprobs`` object of an echoed prompt: its first token has none."""
-    tokens, token_lps, tops, offsets = [first_piece], [None], [None], [0]
-    offset = len(first_piece)
-    for tok, entry in zip(prompt_ids[1:], prompt_lps[1:]):
-        piece = entry[tok].decoded_token or ""
-        tokens.append(piece)
-        token_lps.append(entry[tok].logprob)
-        tops.append({lp.decoded_token or "": lp.logprob
-                     for lp in sorted((v for v in entry.values() if v.rank is not None),
-                                      key=lambda v: v.rank)})
-        offsets.append(offset)
-        offset += len(piece)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-            "text_offset": offsets}
+    rest = _legacy_logprobs(zip(prompt_ids[1:], prompt_lps[1:]), len(first_piece))
+    return {"tokens": [first_piece, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]]}
 
 
 def prompt_logprobs_json(prompt_lps: list[dict[int, Logprob] | None]
