@@ -35,12 +35,11 @@ class ReasoningParser:
         """Reasoning and answer of the output so far. Unfinished output holds back a tail
         that could still become a tag, so streamed text is never taken back."""
         body = text.lstrip()
-        opened = body.startswith(START)
-        if opened:
+        if not finished and START.startswith(body):   # "<thi" may become "<think>"
+            return ReasoningSplit(None if self.kind == "qwen3" else "", "")
+        if body.startswith(START):
             body = body[len(START):]
         elif self.kind == "qwen3":
-            if not finished and START.startswith(body):   # "<thi" may become "<think>"
-                return ReasoningSplit(None, "")
             return ReasoningSplit(None, text)
         end = body.find(END)
         if end >= 0:
