@@ -21,7 +21,9 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -60,27 +62,49 @@ def onednn_linear_problem() -> str | None:
 
 @functools.cache
 def load_cpu_kernels() -> str | None:
-    """Build (first time) and load the kernels; returns None on success, else why not."""
-    try:
-        from torch.utils import cpp_extension
+    """Build (first time) and load the kernels; returns None on success, else why not.
 
-        # ninja comes as a pip package into this environment's bin, which need not be on PATH.
-        bin_dir = str(Path(sys.executable).parent)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    A built library loads straight from the cache with no build step and no lock: torch's
+    builder locks its directory while ninja runs, and a process killed there (or another
+    checkout rebuilding the same sources from other paths) would stall every later load.
+    A build runs in a directory of its own; its library is renamed into place whole."""
+    try:
         # Keyed by the source too: checkouts with different kernels share one cache.
         files = sorted(_CSRC.iterdir())
         digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
-        build_dir = cache_root() / "torch_ext" / f"torch-{torch.__version__}-{digest}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="llm_cluster_cpu_kernels", sources=[str(f) for f in files if f.suffix == ".cpp"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
-            extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-            is_python_module=False, verbose=False)
+        library = cache_root() / "torch_ext" / f"torch-{torch.__version__}-{digest}.so"
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(files, library)
     except Exception as e:  # a compiler or ninja problem must not stop the engine
         return f"{type(e).__name__}: {e}"
     return None
+
+
+_LIBRARY = "llm_cluster_cpu_kernels"
+
+
+def _build(files: list[Path], library: Path) -> None:
+    """Compile and load the kernels (torch's builder loads what it built), then publish
+    the library at ``library`` for later processes."""
+    from torch.utils import cpp_extension
+
+    # ninja comes as a pip package into this environment's bin, which need not be on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    library.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{library.stem}.", dir=library.parent))
+    try:
+        cpp_extension.load(
+            name=_LIBRARY, sources=[str(f) for f in files if f.suffix == ".cpp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
+            extra_ldflags=["-fopenmp"], build_directory=str(scratch),
+            is_python_module=False, verbose=False)
+        os.replace(scratch / f"{_LIBRARY}.so", library)   # atomic: loaders see all or none
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 class CpuOps(TorchOps):
