@@ -81,7 +81,8 @@ def cell_config(name: str, decode: tuple[int, int, int], args: argparse.Namespac
                                       "tpot_target_s": args.tpot_slo_s,
                                       "ttft_target_s": args.ttft_slo_s,
                                       "scale_up_cooldown_s": args.step_s,
-                                      "scale_down_delay_s": 2 * args.step_s}}}
+                                      "scale_down_delay_s": args.scale_down_delay_s
+                                      or args.step_s}}}
 
 
 def scrape(base: str) -> tuple[dict[str, int], dict[str, float]]:
@@ -294,6 +295,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--cpus", type=float, default=0.5, help="CPU share of each worker")
     p.add_argument("--seqs-high", type=int, default=8,
                    help="running sequences per decode worker above which the pool grows")
+    p.add_argument("--scale-down-delay-s", type=float, default=None,
+                   help="low load held this long before the pool shrinks (default: one "
+                        "level of the trace)")
     p.add_argument("--ttft-slo-s", type=float, default=10.0)
     p.add_argument("--tpot-slo-s", type=float, default=1.0)
     p.add_argument("--plot", type=Path, default=None, help="write the PNG here")
