@@ -24,15 +24,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.long_context_quality import (
-    AGREEMENT_TARGET,
-    Regions,
-    engine_config,
-    forced_figures,
-    run_forced,
-    window_starts,
-)
+from benchmarks.long_context_quality import AGREEMENT_TARGET, forced_figures
 from benchmarks.long_context_recall import read_text
+from benchmarks.long_context_tasks import Regions, engine_config, run_forced, window_starts
 from benchmarks.peers.common import NUM_THREADS
 from cluster.llm import LLM
 from workers.ops.base import AttentionMetadata

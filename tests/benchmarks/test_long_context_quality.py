@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.long_context_quality import (
+from benchmarks.long_context_quality import forced_figures, main
+from benchmarks.long_context_tasks import (
     Regions,
     engine_config,
-    forced_figures,
-    main,
     passkey_cases,
     run_forced,
     window_starts,
