@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -40,6 +41,43 @@ def free_ports() -> Callable[[int], list[int]]:
         return ports
 
     return get
+
+
+@pytest.fixture(scope="session")
+def serve_apps(ray_instance, free_ports) -> Callable[..., contextlib.AbstractContextManager]:
+    """``with serve_apps({"/": config, "/tiny": other}) as base``: Ray Serve on a free port
+    of 127.0.0.1 with one app of ``cluster.serve_app`` per route prefix; ``base`` is its
+    URL. Serve (and every cell it started) is shut down on the way out."""
+
+    @contextlib.contextmanager
+    def run(apps: dict[str, Any]) -> Iterator[str]:
+        from ray import serve
+
+        from cluster.serve_app import app_for
+
+        (port,) = free_ports(1)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            for prefix, config in apps.items():
+                serve.run(app_for(config), name=prefix.strip("/") or "default",
+                          route_prefix=prefix)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def openai_client() -> Callable[[str, float], Any]:
+    """``openai_client(base, timeout_s)``: the OpenAI SDK's client of a server the tests
+    started (``base`` with its route prefix)."""
+    openai = pytest.importorskip("openai")
+
+    def make(base: str, timeout_s: float) -> Any:
+        return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=timeout_s)
+
+    return make
 
 
 class MidRunKill:

@@ -30,13 +30,7 @@ _START_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def server(ray_instance, free_ports) -> Iterator[str]:
-    from ray import serve
-
-    from cluster.serve_app import app_for
-
-    (port,) = free_ports(1)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def server(serve_apps) -> Iterator[str]:
     main = with_default_pools(config_from_dict({
         "cache": {"kv_cache_bytes": 256 << 20},
         "cluster": {"name": "serving-test",
@@ -48,18 +42,13 @@ def server(ray_instance, free_ports) -> Iterator[str]:
         "cluster": {"name": "serving-limited", "max_waiting": 1,
                     "pools": [{"role": "mixed", "resources": {"CPU": 0.5}}]},
         "serving": {"api_key": KEY}})
-    try:
-        serve.run(app_for(main), name="main", route_prefix="/")
-        serve.run(app_for(limited), name="limited", route_prefix="/limited")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_apps({"/": main, "/limited": limited}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=_START_TIMEOUT_S)
+def client(server, openai_client):
+    return openai_client(server, _START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,9 @@ _TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def server(ray_instance, free_ports, tiny_factory) -> Iterator[str]:
+def server(serve_apps, tiny_factory) -> Iterator[str]:
     """``/``: the default model behind two router replicas; ``/tiny``: a tiny random
     checkpoint (no tokenizer), for logprobs against HF transformers."""
-    from ray import serve
-
-    from cluster.serve_app import app_for
-
-    (port,) = free_ports(1)
     tiny = with_default_pools(config_from_dict({
         "model": {"path": tiny_factory("llama").path},
         "cache": {"kv_cache_bytes": 8 << 20},
@@ -48,25 +43,19 @@ def server(ray_instance, free_ports, tiny_factory) -> Iterator[str]:
         "cluster": {"name": "serving-vllm-tiny",
                     "pools": [{"role": "prefill", "resources": {"CPU": 0.25}},
                               {"role": "decode", "resources": {"CPU": 0.25}}]}}))
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = with_default_pools(config_from_dict({
         "cache": {"kv_cache_bytes": 256 << 20},
         "cluster": {"name": "serving-vllm",
                     "pools": [{"role": "prefill", "resources": {"CPU": 0.5}},
                               {"role": "decode", "resources": {"CPU": 0.5}}]},
         "serving": {"min_replicas": 2, "max_replicas": 2}}))
-    try:
-        serve.run(app_for(config), name="vllm", route_prefix="/")
-        serve.run(app_for(tiny), name="tiny", route_prefix="/tiny")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_apps({"/": config, "/tiny": tiny}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=_TIMEOUT_S)
+def client(server, openai_client):
+    return openai_client(server, _TIMEOUT_S)
 
 
 def _post(url: str, body: dict) -> httpx.Response:
@@ -90,7 +79,7 @@ def _value(sample: dict[tuple[str, tuple], float], name: str, **labels: str) -> 
 def test_metrics_add_up_across_two_router_replicas_under_load(server, client):
     from ray import serve
 
-    router = serve.status().applications["vllm"].deployments["Router"]
+    router = serve.status().applications["default"].deployments["Router"]
     assert router.replica_states.get("RUNNING") == 2
     before = _counters(server)
     prompts = [f"Count from {i} to {i + 5}:" for i in range(12)]

@@ -35,31 +35,20 @@ COUNTRIES = ["France", "Italy", "Spain", "Germany", "Japan", "Canada", "Brazil",
 
 
 @pytest.fixture(scope="module")
-def server(ray_instance, free_ports) -> Iterator[str]:
-    from ray import serve
-
-    from cluster.serve_app import app_for
-
-    (port,) = free_ports(1)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def server(serve_apps) -> Iterator[str]:
     config = with_default_pools(config_from_dict({
         "cache": {"kv_cache_bytes": 256 << 20},
         "cluster": {"name": "structured-test",
                     "pools": [{"role": "prefill", "resources": {"CPU": 0.5}},
                               {"role": "decode", "resources": {"CPU": 0.5}}]},
         "serving": {"reasoning_parser": "qwen3"}}))
-    try:
-        serve.run(app_for(config), name="structured", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_apps({"/": config}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=_TIMEOUT_S)
+def client(server, openai_client):
+    return openai_client(server, _TIMEOUT_S)
 
 
 def test_printed_curl_example_answers_paris(server):

@@ -97,13 +97,7 @@ def tiny_qwen(tiny_builder, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(ray_instance, free_ports, tiny_qwen) -> Iterator[str]:
-    from ray import serve
-
-    from cluster.serve_app import app_for
-
-    (port,) = free_ports(1)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def server(serve_apps, tiny_qwen) -> Iterator[str]:
     pools = [{"role": "mixed", "resources": {"CPU": 0.5}}]
     default = config_from_dict({"cache": {"kv_cache_bytes": 256 << 20},
                                 "cluster": {"name": "tools-default", "pools": pools}})
@@ -111,26 +105,18 @@ def server(ray_instance, free_ports, tiny_qwen) -> Iterator[str]:
                              "cache": {"kv_cache_bytes": 32 << 20},
                              "cluster": {"name": "tools-tiny", "pools": pools},
                              "serving": {"model_name": "tiny-qwen"}})
-    try:
-        serve.run(app_for(default), name="default", route_prefix="/")
-        serve.run(app_for(tiny), name="tiny", route_prefix="/tiny")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+    with serve_apps({"/": default, "/tiny": tiny}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", timeout=_TIMEOUT_S)
+def client(server, openai_client):
+    return openai_client(server, _TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def tiny_client(server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server}/tiny/v1", api_key="unused", timeout=_TIMEOUT_S)
+def tiny_client(server, openai_client):
+    return openai_client(f"{server}/tiny", _TIMEOUT_S)
 
 
 def _check_call(call, tools=TOOLS) -> dict:
