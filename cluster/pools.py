@@ -2,6 +2,7 @@
 
 A background thread keeps each pool at its target count: a worker that died is
 replaced after a backoff that doubles with every consecutive failure of its pool;
+a scheduler that Ray restarted (its process died) is handed the serving workers;
 a launched worker joins the scheduler only once it has loaded the model, so one whose
 resources Ray cannot grant yet (a node still coming up) waits as a pending launch
 while the others serve. Removing a worker drains it first (see
@@ -50,6 +51,7 @@ class Member:
     worker_id: str
     pool: int
     actor: Any
+    ref: WorkerRef   # how it joined the scheduler: handed again to a restarted one
     draining: bool = False
 
 
@@ -88,15 +90,16 @@ class WorkerPools:
                 started.append((wid, i, actor))
         return started
 
-    def serve(self, scheduler: Any, started: list[tuple[str, int, Any]], fingerprint: str,
-              block_size: int, min_blocks: int) -> None:
-        """The first workers have joined ``scheduler``: tend the pools from now on.
+    def serve(self, scheduler: Any, started: list[tuple[str, int, Any]], refs: list[WorkerRef],
+              fingerprint: str, block_size: int, min_blocks: int) -> None:
+        """The first workers have joined ``scheduler`` (as ``refs``, in ``started``'s
+        order): tend the pools from now on.
         A worker joining later must have loaded ``fingerprint`` and hold ``min_blocks``
         blocks of ``block_size`` tokens (the cell's context length was settled on them)."""
         self.scheduler, self.fingerprint = scheduler, fingerprint
         self.block_size, self.min_blocks = block_size, min_blocks
-        for wid, pool, actor in started:
-            self.members[wid] = Member(wid, pool, actor)
+        for (wid, pool, actor), ref in zip(started, refs, strict=True):
+            self.members[wid] = Member(wid, pool, actor, ref)
         self._thread = threading.Thread(target=self._run, name="worker-pools", daemon=True)
         self._thread.start()
 
@@ -200,9 +203,14 @@ class WorkerPools:
                 log.exception("worker pools: a round failed")
 
     def tick(self, stats: CellStats) -> None:
-        """Drop lost workers, join loaded launches, and launch up to every target."""
+        """Hand a restarted scheduler the serving workers; drop lost workers, join loaded
+        launches, and launch up to every target."""
         now = time.monotonic()
         with self._lock:
+            if stats.recovering:
+                refs = [m.ref for m in self.members.values() if not m.draining]
+                ray.get(self.scheduler.adopt.remote(refs))
+                log.warning("the scheduler restarted: handed it %d workers", len(refs))
             for w in stats.workers:
                 member = self.members.get(w.worker_id)
                 if w.state is WorkerState.LOST and member is not None:
@@ -228,17 +236,17 @@ class WorkerPools:
             try:
                 info: WorkerInfo = ray.get(launch.info_ref)
                 self._check(info)
-                ray.get(self.scheduler.add_worker.remote(WorkerRef(
-                    launch.worker_id, self.pools[launch.pool].role,
-                    RayWorkerHandle(launch.actor), info.num_blocks, info.host_blocks,
-                    info.place)))
+                ref = WorkerRef(launch.worker_id, self.pools[launch.pool].role,
+                                RayWorkerHandle(launch.actor), info.num_blocks,
+                                info.host_blocks, info.place)
+                ray.get(self.scheduler.add_worker.remote(ref))
             except (RayActorError, RayTaskError, ValueError) as e:
                 log.warning("worker %s could not join: %s", launch.worker_id, e)
                 ray.kill(self.workers.pop(launch.worker_id))
                 self._failed(launch.pool, now)
                 continue
             self.members[launch.worker_id] = Member(launch.worker_id, launch.pool,
-                                                    launch.actor)
+                                                    launch.actor, ref)
             self.first_step_at[launch.worker_id] = time.monotonic()
             self._failures[launch.pool] = 0
             log.info("worker %s joined after %.1f s", launch.worker_id, now - launch.started)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from cluster import metrics, openai_tokenize
+from cluster import metrics, openai_tokenize, readiness
 from cluster.client_errors import REQUEST_ID_HEADER, client_error, unavailable
 from cluster.cluster_engine import ClusterClient, ClusterEngine, RequestStream
 from cluster.config import (
@@ -219,16 +219,8 @@ class Router:
     # ---- endpoints -------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> Response:
-        try:
-            stats = await self.client.astats()
-        except Exception as e:
-            return JSONResponse({"status": "unavailable", "reason": unavailable("/health", e)},
-                                status_code=503)
-        alive = len(stats.live())
-        if not alive:
-            return JSONResponse({"status": "unavailable", "reason": "no live worker"},
-                                status_code=503)
-        return JSONResponse({"status": "ok", "workers_alive": alive})
+        status, body = await readiness.health(self.client)
+        return JSONResponse(body, status_code=status)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
