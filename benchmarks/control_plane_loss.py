@@ -50,6 +50,7 @@ class StreamResult:
     started: float = 0.0
     ended: float = 0.0
     chunks: int = 0   # with text
+    done: bool = False   # [DONE] came
 
     @property
     def latency_s(self) -> float:
@@ -66,7 +67,7 @@ class Round:
 
     @property
     def failed(self) -> int:
-        return sum(r.error is not None for r in self.results)
+        return sum(r.error is not None or not r.done for r in self.results)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, question: str,
@@ -80,7 +81,8 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, question: str
                 out.error = json.loads(await resp.aread())
                 return
             async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                out.done = out.done or line == "data: [DONE]"
+                if not line.startswith("data: ") or out.done:
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
@@ -162,13 +164,44 @@ def decode_worker_actor(cluster: str) -> Any:
     return ray.get(scheduler_actor(cluster).__ray_call__.remote(find))
 
 
-def victim_pid(victim: str, cluster: str = CLUSTER) -> int:
-    """The process of ``victim``: ``scheduler`` or ``worker`` (a decode worker)."""
+def replicas(app: str, deployment: str) -> list[str]:
+    """The Ray names of a deployment's replica actors."""
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "serve"
+                  and a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#"))
+
+
+def wait_replaced(app: str, deployment: str, old: list[str],
+                  timeout_s: float = 300.0) -> list[str]:
+    """The deployment's replicas once as many as ``old`` serve and one is new."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = replicas(app, deployment)
+        status = serve.status().applications[app].deployments[deployment].status
+        if len(names) == len(old) and names != old and status == "HEALTHY":
+            return names
+        time.sleep(0.5)
+    raise TimeoutError(f"{deployment} of {app!r} has no new replica after {timeout_s} s")
+
+
+def victim_pid(victim: str, cluster: str = CLUSTER, app: str = "bench") -> int:
+    """The process of ``victim``: ``scheduler``, ``worker`` (a decode worker), ``cell``
+    (the application's ``LLMCell`` replica) or ``router`` (one of its ``Router``
+    replicas)."""
+    import ray
+
     if victim == "scheduler":
         return _pid(scheduler_actor(cluster))
     if victim == "worker":
         return _pid(decode_worker_actor(cluster))
-    raise ValueError(f"victim: got {victim!r}; expected scheduler or worker")
+    if victim in ("cell", "router"):
+        name = replicas(app, "LLMCell" if victim == "cell" else "Router")[0]
+        return _pid(ray.get_actor(name, namespace="serve"))
+    raise ValueError(f"victim: got {victim!r}; expected scheduler, worker, cell or router")
 
 
 def sigkill(pid: int) -> Callable[[], None]:
@@ -195,13 +228,15 @@ def wait_idle(cluster: str = CLUSTER, timeout_s: float = 60.0) -> Any:
 
 
 def app_config(cluster: str = CLUSTER) -> Any:
+    """1 prefill + 1 decode worker behind two router replicas."""
     from cluster.config import config_from_dict, with_default_pools
 
     return with_default_pools(config_from_dict({
         "cache": {"kv_cache_bytes": 256 << 20},
         "cluster": {"name": cluster,
                     "pools": [{"role": "prefill", "resources": {"CPU": 0.5}},
-                              {"role": "decode", "resources": {"CPU": 0.5}}]}}))
+                              {"role": "decode", "resources": {"CPU": 0.5}}]},
+        "serving": {"min_replicas": 2, "max_replicas": 2}}))
 
 
 # ---- the benchmark --------------------------------------------------------------------
@@ -213,7 +248,8 @@ def _free_port() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--victims", nargs="+", default=["worker", "scheduler"])
+    parser.add_argument("--victims", nargs="+",
+                        default=["worker", "scheduler", "cell", "router"])
     parser.add_argument("--streams", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
@@ -232,21 +268,30 @@ def main() -> None:
         model = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
         asyncio.run(stream_round(url, model, 2, 4))   # warm-up
         print("| victim | /health ready again (s) | requests failed | text changed | "
-              "interrupted requests' latency, median (s) | undisturbed (s) | extra (s) |")
-        print("|---|---|---|---|---|---|---|")
+              "interrupted | their latency, median (s) | undisturbed, median (s) | "
+              "extra per request, median / max (s) |")
+        print("|---|---|---|---|---|---|---|---|")
         for victim in args.victims:
             base = asyncio.run(stream_round(url, model, args.streams, args.max_tokens))
+            deployment = {"cell": "LLMCell", "router": "Router"}.get(victim)
+            before = replicas("bench", deployment) if deployment else []
             pid = victim_pid(victim)
             hit = asyncio.run(stream_round(url, model, args.streams, args.max_tokens,
                                            sigkill(pid)))
+            if deployment:
+                wait_replaced("bench", deployment, before)
             wait_idle()
             changed = sum(a.text != b.text for a, b in zip(base.results, hit.results))
-            hurt = [r.latency_s for r in hit.results if r.ended > (hit.killed_at or 0)]
-            calm = [r.latency_s for r in base.results]
+            # Interrupted: still running at the kill; against the same request undisturbed.
+            hurt = [i for i, r in enumerate(hit.results)
+                    if r.ended > (hit.killed_at or 0) and r.done and r.error is None]
+            extra = [hit.results[i].latency_s - base.results[i].latency_s for i in hurt]
             back = f"{hit.health_back_s:.2f}" if hit.health_back_s is not None else "never"
             print(f"| {victim} | {back} | {hit.failed} / {args.streams} | {changed} | "
-                  f"{statistics.median(hurt):.2f} | {statistics.median(calm):.2f} | "
-                  f"{statistics.median(hurt) - statistics.median(calm):+.2f} |", flush=True)
+                  f"{len(hurt)} | "
+                  f"{statistics.median(hit.results[i].latency_s for i in hurt):.2f} | "
+                  f"{statistics.median(base.results[i].latency_s for i in hurt):.2f} | "
+                  f"{statistics.median(extra):+.2f} / {max(extra):+.2f} |", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()

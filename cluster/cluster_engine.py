@@ -24,7 +24,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from cluster import scheduler_actor
+from cluster import running_cell, scheduler_actor
 from cluster.autoscaler import Autoscaler
 from cluster.config import EngineConfig, sampling_defaults
 from cluster.engine import resolve_max_model_len, tokenize_prompt
@@ -33,6 +33,7 @@ from cluster.outputs import RequestOutput
 from cluster.pools import WorkerPools
 from cluster.ray_worker import RayWorkerHandle
 from cluster.resumable import RESUME_TIMEOUT_S, Resumable, ResumeBook, reattach
+from scheduler.client_leases import ClientExpiredError
 from scheduler.config import CellConfig
 from scheduler.global_scheduler import Updates
 from scheduler.protocol import SamplingParams
@@ -147,7 +148,26 @@ class ClusterClient:
         return _get(self.scheduler.stats.remote())
 
     async def astats(self) -> CellStats:
-        return await _aget(self.scheduler.stats.remote())
+        try:
+            return await _aget(self.scheduler.stats.remote())
+        except RayActorError:
+            if not self._reattach():
+                raise
+            return await _aget(self.scheduler.stats.remote())
+
+    def _reattach(self) -> bool:
+        """Take the scheduler now under this client's name if it is another actor than
+        the one held (the cell was relaunched); whether it is."""
+        if self.name is None:
+            return False
+        try:
+            actor = ray.get_actor(self.name, namespace=NAMESPACE)
+        except ValueError:
+            return False
+        if actor._actor_id == self.scheduler._actor_id:
+            return False
+        self.scheduler = actor
+        return True
 
     # ---- streaming -------------------------------------------------------------------
     async def open_stream(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -166,6 +186,10 @@ class ClusterClient:
             for cid, choice, k in choices:
                 await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
                                                          priority, self.client_id, k))
+        except RayActorError:   # refused; the next request goes to a relaunched cell
+            self._forget(rid)
+            self._reattach()
+            raise
         except BaseException:
             await _abort_all(self.scheduler, self._children(rid))
             self._forget(rid)
@@ -196,7 +220,7 @@ class ClusterClient:
             try:
                 news = await _aget(self.scheduler.get_client_updates.remote(self.client_id,
                                                                             _POLL_S))
-            except RayActorError as e:
+            except (RayActorError, ClientExpiredError) as e:   # lost, or took it for gone
                 if await self._resume(e):
                     continue
                 for queue in self._streams.values():
@@ -222,7 +246,7 @@ class ClusterClient:
             for seq_id in to_stop:
                 await _aget(self.scheduler.abort.remote(seq_id, "stop"))
 
-    async def _resume(self, error: RayActorError) -> bool:
+    async def _resume(self, error: Exception) -> bool:
         """The scheduler was lost: once it serves again, resubmit every open stream's
         requests with the tokens received so far (an abort first, in case it was not
         lost after all). False if it does not come back in time."""
@@ -323,9 +347,16 @@ class RequestStream:
 
 
 class ClusterEngine(ClusterClient):
-    """Launches a cluster (worker actors and the global scheduler) and is its first client."""
+    """Launches a cluster (worker actors and the global scheduler) and is its first client.
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+    ``survive_owner``: the cell outlives this engine's process (its workers are detached,
+    as the scheduler always is), and an engine started so adopts a running cell of its
+    name (see ``running_cell``) instead of launching another: what Serve's restart of a
+    dead ``LLMCell`` replica needs.
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 survive_owner: bool = False) -> None:
         cc = config.cluster
         if not cc.pools:
             raise ValueError("cluster.pools: got none; name at least one worker pool to run "
@@ -343,16 +374,27 @@ class ClusterEngine(ClusterClient):
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
                           config.cache, config.scheduler.max_model_len, 1, config.long_context,
                           mc.quantization)
-        self.pools = WorkerPools(spec, cc.pools, cc.replace_backoff_s)
+        self.pools = WorkerPools(spec, cc.pools, cc.replace_backoff_s, cc.name, NAMESPACE,
+                                 detached=survive_owner)
         self.workers = self.pools.workers   # worker id -> actor, every live one
-        try:
-            started = self.pools.launch_initial()
-            refs = self._join_initial(started)
-            scheduler = self._start_scheduler(refs)
-        except BaseException:
-            self.pools.kill_all()
-            raise
-        ray.get(scheduler.start.remote())
+        running = running_cell.adopt(scheduler_name(cc.name), NAMESPACE, self.pools) \
+            if survive_owner else None
+        if running is not None:
+            scheduler, refs, started = running.scheduler, running.workers, \
+                running.started(self.pools)
+            self.block_size = running.settings.block_size
+            self.max_model_len = running.settings.max_model_len
+            self._eos_token_ids = running.settings.eos_token_ids
+            self._fingerprint = running.info.fingerprint
+        else:
+            try:
+                started = self.pools.launch_initial()
+                refs = self._join_initial(started)
+                scheduler = self._start_scheduler(refs)
+            except BaseException:
+                self.pools.kill_all()
+                raise
+            ray.get(scheduler.start.remote())
         self.pools.serve(scheduler, started, refs, self._fingerprint, self.block_size,
                          -(-self.max_model_len // self.block_size))
         self.autoscaler: Autoscaler | None = None

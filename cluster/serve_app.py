@@ -88,10 +88,12 @@ class CellInfo:
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 class LLMCell:
-    """Owns one cell for the application's lifetime: its worker actors and scheduler."""
+    """Owns one cell for the application's lifetime: its worker actors and scheduler,
+    which outlive this replica's process: restarted by Serve, it adopts them."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
-        self.engine = await asyncio.to_thread(ClusterEngine, config_from_dict(config))
+        self.engine = await asyncio.to_thread(ClusterEngine, config_from_dict(config),
+                                              survive_owner=True)
 
     def describe(self) -> CellInfo:
         e = self.engine

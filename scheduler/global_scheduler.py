@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.cell_worker import CellWorker
+from scheduler.client_leases import ClientLeases
 from scheduler.config import CellConfig
 from scheduler.handoff import Handoff, Outcome
 from scheduler.placement import decode_target, place_prompt
@@ -76,6 +77,7 @@ class GlobalScheduler:
         self.workers = [CellWorker.join(w, config) for w in workers]
         self.requests: dict[str, _Request] = {}
         self.clients: dict[str, set[str]] = {}   # client -> its requests still known
+        self.leases = ClientLeases(config.client_lease_s)
         self.num_recovered = 0
         self.num_migrated = 0
         self.ttft = LatencyWindow()
@@ -87,9 +89,11 @@ class GlobalScheduler:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Start one step loop per worker (needs the running event loop)."""
+        """Start one step loop per worker, and the reaper of gone clients (needs the
+        running event loop)."""
         for w in self.workers:
             self._spawn(self._loop(w))
+        self._spawn(self._reap_clients())
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -107,6 +111,8 @@ class GlobalScheduler:
             w.batch.reset_worker()
             self.workers.append(w)
             self._spawn(self._loop(w))
+        if self.recovering:
+            self._spawn(self._reap_clients())
         self.recovering = False
         log.info("adopted %d workers; serving again", len(self.workers))
         self._notify()
@@ -188,6 +194,7 @@ class GlobalScheduler:
         self.requests[request_id] = _Request(w.batch.seqs[request_id], w)
         if client is not None:
             self.clients.setdefault(client, set()).add(request_id)
+            self.leases.touch(client)
         w.wake.set()
 
     async def get_updates(self, request_ids: list[str], timeout_s: float = 1.0) -> Updates:
@@ -199,8 +206,25 @@ class GlobalScheduler:
     async def get_client_updates(self, client: str, timeout_s: float = 1.0) -> Updates:
         """``get_updates`` over every live request submitted with ``client``, so one
         long-poll serves all the streams of a router replica, those submitted while
-        it waits included."""
-        return await self._wait_updates(lambda: self._client_requests(client), timeout_s)
+        it waits included. Raises ``ClientExpiredError`` to a client whose lease ran
+        out (see ``client_leases``)."""
+        self.leases.begin_poll(client)
+        try:
+            return await self._wait_updates(lambda: self._client_requests(client), timeout_s)
+        finally:
+            self.leases.end_poll(client)
+
+    async def _reap_clients(self) -> None:
+        """Abort the requests of clients that are gone (a dead router replica's)."""
+        while True:
+            await asyncio.sleep(self.leases.lease_s / 4)
+            for client in self.leases.expire(sorted(self.clients)):
+                rids = self._client_requests(client)
+                self.clients.pop(client, None)
+                log.warning("client %s is gone (no poll for %.0f s): aborting its %d "
+                            "requests", client, self.leases.lease_s, len(rids))
+                for rid in rids:
+                    await self.abort(rid)
 
     def _client_requests(self, client: str) -> list[str]:
         live = {rid for rid in self.clients.pop(client, ()) if rid in self.requests}
@@ -260,6 +284,10 @@ class GlobalScheduler:
                          self.num_recovered, self.num_migrated,
                          self.ttft.mean(time.monotonic()), self.tpot.mean(time.monotonic()),
                          list(self.pools), copy.deepcopy(self.serving), self.recovering)
+
+    async def settings(self) -> CellConfig:
+        """The cell's settings (what a new owner of the running cell goes by)."""
+        return self.config
 
     async def report_pools(self, pools: list[PoolReport]) -> None:
         """The pool manager's latest view of the pools, passed on with ``stats``."""
