@@ -9,7 +9,7 @@ local Ray instance and a free 127.0.0.1 port. Per victim: one undisturbed round,
 one round with the kill once every stream has streamed text (the same prompts), with
 ``/health`` polled from the kill on. The tests use the same round (``stream_round``).
 
-    flock /tmp/bench.lock python benchmarks/control_plane_loss.py
+    flock /tmp/bench.lock python -m benchmarks.control_plane_loss
         [--victims worker scheduler] [--streams 24] [--max-tokens 32]
 """
 

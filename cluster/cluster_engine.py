@@ -182,18 +182,20 @@ class ClusterClient:
         self._streams[rid] = queue = asyncio.Queue()
         choices = self._choices(rid, params) if sample_index is None else \
             [(rid, params, sample_index)]
-        try:
-            for cid, choice, k in choices:
-                await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
-                                                         priority, self.client_id, k))
-        except RayActorError:   # refused; the next request goes to a relaunched cell
-            self._forget(rid)
-            self._reattach()
-            raise
-        except BaseException:
-            await _abort_all(self.scheduler, self._children(rid))
-            self._forget(rid)
-            raise
+        for attempt in range(2):
+            try:
+                for cid, choice, k in choices:
+                    await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
+                                                             priority, self.client_id, k))
+                break
+            except RayActorError:   # gone: under its name may be a relaunched cell's
+                if attempt or not self._reattach():
+                    self._forget(rid)
+                    raise
+            except BaseException:
+                await _abort_all(self.scheduler, self._children(rid))
+                self._forget(rid)
+                raise
         for cid, choice, k in choices:
             self._resumable.add(cid, Resumable(rid, prompt_token_ids, choice, priority, k))
         if self._pump is None or self._pump.done():

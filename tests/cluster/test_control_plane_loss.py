@@ -105,3 +105,29 @@ def test_a_killed_router_replica_ends_only_its_streams_and_leaves_no_sequence(
         [(0, 0)] * len(stats.live())
     wait_replaced(APP, "Router", routers)
     assert asyncio.run(stream_round(url, model, 2, 4)).failed == 0   # served again
+
+
+def test_a_cell_really_gone_is_relaunched_and_the_routers_find_it(server, undisturbed):
+    """Scheduler (for good), workers and ``LLMCell`` replica all killed: the restarted
+    replica finds nothing to adopt and launches a new cell; the routers re-attach to
+    its scheduler by name and serve the same text as before."""
+    import ray
+
+    from benchmarks.control_plane_loss import scheduler_actor
+    from cluster.cluster_engine import NAMESPACE
+    from cluster.pools import worker_name
+
+    url, model = server
+    cells = replicas(APP, "LLMCell")
+    workers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith(worker_name(CLUSTER, ""))]
+    assert workers
+    ray.kill(scheduler_actor(CLUSTER), no_restart=True)
+    for name in workers:
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+    sigkill(victim_pid("cell", app=APP))()
+    wait_replaced(APP, "LLMCell", cells)
+    assert httpx.get(f"{url}/health", timeout=_TIMEOUT_S).status_code == 200
+    rnd = asyncio.run(stream_round(url, model, STREAMS, MAX_TOKENS))
+    assert [r.error for r in rnd.results] == [None] * STREAMS
+    assert [r.text for r in rnd.results] == undisturbed
