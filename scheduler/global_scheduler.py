@@ -15,8 +15,9 @@ The class is plain asyncio; ``cluster`` runs it as a named, detached async Ray a
 that Ray restarts when its process dies. A restarted scheduler knows no request: it
 starts ``recovering``, adopts the cell's live workers (``adopt``: each forgets what it
 held, so no block leaks) and then takes the requests the routers resubmit with the
-tokens already streamed (``submit``'s ``generated``). It holds no tensor and no actor:
-workers are reached only through ``WorkerHandle``s.
+tokens already streamed (``submit``'s ``generated``). A client that stops polling (a
+dead router replica) loses its requests (``client_leases``), so none holds blocks. It
+holds no tensor and no actor: workers are reached only through ``WorkerHandle``s.
 """
 
 from __future__ import annotations
