@@ -165,6 +165,8 @@ class Autoscaler:
                 log.exception("autoscaler: a round failed")
 
     def tick(self, stats: CellStats) -> None:
+        if stats.recovering:   # a restarted scheduler knows no worker until it adopts them
+            return
         now = time.monotonic()
         stats.pools = self.pools.status()   # fresher than the scheduler's copy
         scalable = {p.role for p in self.pools.pools if p.bounds[0] < p.bounds[1]}

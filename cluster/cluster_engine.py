@@ -24,6 +24,7 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from cluster import running_cell, scheduler_actor
 from cluster.autoscaler import Autoscaler
 from cluster.config import EngineConfig, sampling_defaults
 from cluster.engine import resolve_max_model_len, tokenize_prompt
@@ -31,8 +32,10 @@ from cluster.output_processor import OutputProcessor
 from cluster.outputs import RequestOutput
 from cluster.pools import WorkerPools
 from cluster.ray_worker import RayWorkerHandle
+from cluster.resumable import RESUME_TIMEOUT_S, Resumable, ResumeBook, reattach
+from scheduler.client_leases import ClientExpiredError
 from scheduler.config import CellConfig
-from scheduler.global_scheduler import GlobalScheduler, Updates
+from scheduler.global_scheduler import Updates
 from scheduler.protocol import SamplingParams
 from scheduler.sequence import SeqUpdate, child_seq_id
 from scheduler.stats import CellStats
@@ -59,12 +62,14 @@ class ClusterClient:
     ``ClusterEngine`` (which launches the cluster) is one; a router replica attaches
     another to the scheduler by name (``attach``). Streams of one client share a single
     long-poll (``get_client_updates``), so a replica with many open streams makes one
-    call per round, not one per stream.
+    call per round, not one per stream. When the scheduler is lost, the streams resume
+    on it once it serves again (see ``resumable``), found again by ``name``.
     """
 
     def __init__(self, scheduler: Any, tokenizer: Tokenizer | None, vocab_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, name: str | None = None) -> None:
         self.scheduler = scheduler
+        self.name = name
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -73,6 +78,7 @@ class ClusterClient:
         self._pending: set[str] = set()   # the scheduler's requests: one per choice
         self._parent: dict[str, str] = {}  # a choice's scheduler request -> its request
         self._streams: dict[str, asyncio.Queue] = {}
+        self._resumable = ResumeBook()   # the streamed choices' scheduler requests
         self._pump: asyncio.Task | None = None
         self._ids = itertools.count()
 
@@ -85,7 +91,7 @@ class ClusterClient:
         except ValueError as e:
             raise ValueError(f"no scheduler named {scheduler_name(cluster_name)!r} runs on "
                              "this Ray instance; start the cluster first") from e
-        return cls(actor, tokenizer, vocab_size, max_model_len)
+        return cls(actor, tokenizer, vocab_size, max_model_len, scheduler_name(cluster_name))
 
     # ---- LocalEngine's interface -----------------------------------------------------
     def tokenize_prompt(self, prompt: str | Sequence[int],
@@ -142,7 +148,26 @@ class ClusterClient:
         return _get(self.scheduler.stats.remote())
 
     async def astats(self) -> CellStats:
-        return await _aget(self.scheduler.stats.remote())
+        try:
+            return await _aget(self.scheduler.stats.remote())
+        except RayActorError:
+            if not self._reattach():
+                raise
+            return await _aget(self.scheduler.stats.remote())
+
+    def _reattach(self) -> bool:
+        """Take the scheduler now under this client's name if it is another actor than
+        the one held (the cell was relaunched); whether it is."""
+        if self.name is None:
+            return False
+        try:
+            actor = ray.get_actor(self.name, namespace=NAMESPACE)
+        except ValueError:
+            return False
+        if actor._actor_id == self.scheduler._actor_id:
+            return False
+        self.scheduler = actor
+        return True
 
     # ---- streaming -------------------------------------------------------------------
     async def open_stream(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -157,14 +182,22 @@ class ClusterClient:
         self._streams[rid] = queue = asyncio.Queue()
         choices = self._choices(rid, params) if sample_index is None else \
             [(rid, params, sample_index)]
-        try:
-            for cid, choice, k in choices:
-                await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
-                                                         priority, self.client_id, k))
-        except BaseException:
-            await _abort_all(self.scheduler, self._children(rid))
-            self._forget(rid)
-            raise
+        for attempt in range(2):
+            try:
+                for cid, choice, k in choices:
+                    await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
+                                                             priority, self.client_id, k))
+                break
+            except RayActorError:   # gone: under its name may be a relaunched cell's
+                if attempt or not self._reattach():
+                    self._forget(rid)
+                    raise
+            except BaseException:
+                await _abort_all(self.scheduler, self._children(rid))
+                self._forget(rid)
+                raise
+        for cid, choice, k in choices:
+            self._resumable.add(cid, Resumable(rid, prompt_token_ids, choice, priority, k))
         if self._pump is None or self._pump.done():
             self._pump = _detached(self._pump_updates())
         return RequestStream(self, rid, queue)
@@ -183,12 +216,19 @@ class ClusterClient:
 
     async def _pump_updates(self) -> None:
         """Long-poll this client's news while any stream is open; hand each stream its
-        outputs (or the error that ended it)."""
+        outputs (or the error that ended it). A lost scheduler's streams resume once
+        it serves again; they end only if it does not come back."""
         while self._streams:
             try:
                 news = await _aget(self.scheduler.get_client_updates.remote(self.client_id,
                                                                             _POLL_S))
-            except Exception as e:   # the scheduler is gone: every open stream ends
+            except (RayActorError, ClientExpiredError) as e:   # lost, or took it for gone
+                if await self._resume(e):
+                    continue
+                for queue in self._streams.values():
+                    queue.put_nowait(e)
+                return
+            except Exception as e:
                 for queue in self._streams.values():
                     queue.put_nowait(e)
                 return
@@ -199,6 +239,7 @@ class ClusterClient:
                     self._streams.pop(rid).put_nowait(error)
                 if done:
                     self._parent.pop(cid, None)
+                    self._resumable.drop(cid)
             for out in results:   # a finished stream leaves: its queue holds the rest
                 if out.request_id in self._streams:
                     queue = self._streams.pop(out.request_id) if out.finished \
@@ -207,11 +248,35 @@ class ClusterClient:
             for seq_id in to_stop:
                 await _aget(self.scheduler.abort.remote(seq_id, "stop"))
 
+    async def _resume(self, error: Exception) -> bool:
+        """The scheduler was lost: once it serves again, resubmit every open stream's
+        requests with the tokens received so far (an abort first, in case it was not
+        lost after all). False if it does not come back in time."""
+        log.warning("the scheduler was lost (%s); resuming %d requests once it serves",
+                    error, len(self._resumable))
+        deadline = time.monotonic() + RESUME_TIMEOUT_S
+        while True:
+            actor = await reattach(self.name, NAMESPACE, self.scheduler,
+                                   deadline - time.monotonic())
+            if actor is None:
+                return False
+            self.scheduler = actor
+            try:
+                await self._resumable.resubmit(actor, self.client_id, self.outputs,
+                                               set(self._streams))
+                return True
+            except RayActorError as e:   # lost again meanwhile
+                log.warning("the scheduler was lost again while resuming: %s", e)
+            except Exception:   # it refused a resubmission: the streams end
+                log.exception("resuming the requests failed")
+                return False
+
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self.outputs.requests.pop(request_id, None)
         for cid in self._children(request_id):
             self._parent.pop(cid, None)
+            self._resumable.drop(cid)
 
     # ---- choices ---------------------------------------------------------------------
     def _choices(self, request_id: str, params: SamplingParams
@@ -284,9 +349,16 @@ class RequestStream:
 
 
 class ClusterEngine(ClusterClient):
-    """Launches a cluster (worker actors and the global scheduler) and is its first client."""
+    """Launches a cluster (worker actors and the global scheduler) and is its first client.
 
-    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None) -> None:
+    ``survive_owner``: the cell outlives this engine's process (its workers are detached,
+    as the scheduler always is), and an engine started so adopts a running cell of its
+    name (see ``running_cell``) instead of launching another: what Serve's restart of a
+    dead ``LLMCell`` replica needs.
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None,
+                 survive_owner: bool = False) -> None:
         cc = config.cluster
         if not cc.pools:
             raise ValueError("cluster.pools: got none; name at least one worker pool to run "
@@ -304,23 +376,35 @@ class ClusterEngine(ClusterClient):
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
                           config.cache, config.scheduler.max_model_len, 1, config.long_context,
                           mc.quantization)
-        self.pools = WorkerPools(spec, cc.pools, cc.replace_backoff_s)
+        self.pools = WorkerPools(spec, cc.pools, cc.replace_backoff_s, cc.name, NAMESPACE,
+                                 detached=survive_owner)
         self.workers = self.pools.workers   # worker id -> actor, every live one
-        try:
-            started = self.pools.launch_initial()
-            refs = self._join_initial(started)
-            scheduler = self._start_scheduler(refs)
-        except BaseException:
-            self.pools.kill_all()
-            raise
-        ray.get(scheduler.start.remote())
-        self.pools.serve(scheduler, started, self._fingerprint, self.block_size,
+        running = running_cell.adopt(scheduler_name(cc.name), NAMESPACE, self.pools) \
+            if survive_owner else None
+        if running is not None:
+            scheduler, refs, started = running.scheduler, running.workers, \
+                running.started(self.pools)
+            self.block_size = running.settings.block_size
+            self.max_model_len = running.settings.max_model_len
+            self._eos_token_ids = running.settings.eos_token_ids
+            self._fingerprint = running.info.fingerprint
+        else:
+            try:
+                started = self.pools.launch_initial()
+                refs = self._join_initial(started)
+                scheduler = self._start_scheduler(refs)
+            except BaseException:
+                self.pools.kill_all()
+                raise
+            ray.get(scheduler.start.remote())
+        self.pools.serve(scheduler, started, refs, self._fingerprint, self.block_size,
                          -(-self.max_model_len // self.block_size))
         self.autoscaler: Autoscaler | None = None
         if any(lo < hi for lo, hi in (p.bounds for p in cc.pools)):
             self.autoscaler = Autoscaler(scheduler, self.pools, cc.autoscale)
             self.autoscaler.start()
-        super().__init__(scheduler, ckpt.tokenizer, ckpt.config.vocab_size, self.max_model_len)
+        super().__init__(scheduler, ckpt.tokenizer, ckpt.config.vocab_size, self.max_model_len,
+                         scheduler_name(cc.name))
 
     def _join_initial(self, started: list[tuple[str, int, Any]]) -> list[WorkerRef]:
         """Wait until the first workers have loaded the model and sized their pools;
@@ -358,9 +442,7 @@ class ClusterEngine(ClusterClient):
                           cc.transfer_timeout_s, cfg.long_context)
 
         def create() -> Any:
-            return ray.remote(GlobalScheduler).options(
-                name=name, namespace=NAMESPACE, lifetime="detached",
-                num_cpus=0, max_concurrency=10_000).remote(refs, cell)
+            return scheduler_actor.launch(name, NAMESPACE, refs, cell)
 
         try:
             return create()

@@ -101,6 +101,16 @@ class OutputProcessor:
                 outputs.append(self._snapshot(req))
         return outputs, to_stop
 
+    def progress(self, request_id: str, sample_index: int) -> tuple[list[int], bool]:
+        """The tokens one choice of a request has received, and whether any of the
+        request's prompt logprobs have (what a resumed request goes on from)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return [], False
+        seq = req.seqs.get(sample_index)
+        return (list(seq.out.token_ids) if seq is not None else [],
+                bool(req.prompt_logprobs and len(req.prompt_logprobs) > 1))
+
     def _new_seq(self, req: _RequestText, index: int) -> _SeqText:
         detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
                                         req.params.skip_special_tokens)

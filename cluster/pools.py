@@ -2,6 +2,9 @@
 
 A background thread keeps each pool at its target count: a worker that died is
 replaced after a backoff that doubles with every consecutive failure of its pool;
+a scheduler that Ray restarted (its process died) is handed the serving workers.
+Workers are named actors, detached when the cell must outlive the process that launched
+them (the ``LLMCell`` replica): a restarted owner finds them by name (``find_named``);
 a launched worker joins the scheduler only once it has loaded the model, so one whose
 resources Ray cannot grant yet (a node still coming up) waits as a pending launch
 while the others serve. Removing a worker drains it first (see
@@ -10,6 +13,7 @@ while the others serve. Removing a worker drains it first (see
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -50,13 +54,22 @@ class Member:
     worker_id: str
     pool: int
     actor: Any
+    ref: WorkerRef   # how it joined the scheduler: handed again to a restarted one
     draining: bool = False
 
 
+def worker_name(cell: str, worker_id: str) -> str:
+    """The Ray name of a worker of the cell ``cell``."""
+    return f"llm-worker:{cell}:{worker_id}"
+
+
 class WorkerPools:
-    def __init__(self, spec: WorkerSpec, pools: list[WorkerPoolConfig],
-                 backoff_s: float = 1.0) -> None:
+    def __init__(self, spec: WorkerSpec, pools: list[WorkerPoolConfig], backoff_s: float,
+                 cell: str, namespace: str, detached: bool = False) -> None:
+        """``cell``, ``namespace``: where the workers' names live (see ``worker_name``);
+        ``detached``: the workers outlive this process."""
         self.spec = spec
+        self.cell, self.namespace, self.detached = cell, namespace, detached
         self.pools = pools
         self.backoff_s = backoff_s
         self.scheduler: Any = None   # set by ``serve``
@@ -83,22 +96,50 @@ class WorkerPools:
         for i, pool in enumerate(self.pools):
             for _ in range(pool.count):
                 wid = self._next_id(pool.role)
-                actor = self._actor(pool)
+                actor = self._actor(pool, wid)
                 self.workers[wid] = actor
                 started.append((wid, i, actor))
         return started
 
-    def serve(self, scheduler: Any, started: list[tuple[str, int, Any]], fingerprint: str,
-              block_size: int, min_blocks: int) -> None:
-        """The first workers have joined ``scheduler``: tend the pools from now on.
+    def serve(self, scheduler: Any, started: list[tuple[str, int, Any]], refs: list[WorkerRef],
+              fingerprint: str, block_size: int, min_blocks: int) -> None:
+        """The first workers have joined ``scheduler`` (as ``refs``, in ``started``'s
+        order): tend the pools from now on.
         A worker joining later must have loaded ``fingerprint`` and hold ``min_blocks``
         blocks of ``block_size`` tokens (the cell's context length was settled on them)."""
         self.scheduler, self.fingerprint = scheduler, fingerprint
         self.block_size, self.min_blocks = block_size, min_blocks
-        for wid, pool, actor in started:
-            self.members[wid] = Member(wid, pool, actor)
+        for (wid, pool, actor), ref in zip(started, refs, strict=True):
+            self.members[wid] = Member(wid, pool, actor, ref)
+            self.workers[wid] = actor
+            self._skip_id(wid)
         self._thread = threading.Thread(target=self._run, name="worker-pools", daemon=True)
         self._thread.start()
+
+    def find_named(self, timeout_s: float) -> list[tuple[WorkerRef, WorkerInfo]]:
+        """The live workers of this cell that an owner which died left running, found by
+        name; each that does not answer with its info within ``timeout_s`` (still
+        loading, or broken) is stopped. Later launches take ids none of them had."""
+        found = []
+        prefix = worker_name(self.cell, "")
+        for name in ray.util.list_named_actors(all_namespaces=True):
+            if name["namespace"] != self.namespace or not name["name"].startswith(prefix):
+                continue
+            wid = name["name"][len(prefix):]
+            self._skip_id(wid)
+            try:
+                actor = ray.get_actor(name["name"], namespace=self.namespace)
+                info: WorkerInfo = ray.get(actor.info.remote(), timeout=timeout_s)
+                role = Role.parse(wid.rpartition("-")[0])
+            except ValueError:   # gone meanwhile
+                continue
+            except (RayActorError, RayTaskError, ray.exceptions.GetTimeoutError) as e:
+                log.warning("worker %s left by the cell's last owner is stopped: %s", wid, e)
+                ray.kill(actor)
+                continue
+            found.append((WorkerRef(wid, role, RayWorkerHandle(actor), info.num_blocks,
+                                    info.host_blocks, info.place), info))
+        return found
 
     def stop(self) -> None:
         self._stop.set()
@@ -200,9 +241,14 @@ class WorkerPools:
                 log.exception("worker pools: a round failed")
 
     def tick(self, stats: CellStats) -> None:
-        """Drop lost workers, join loaded launches, and launch up to every target."""
+        """Hand a restarted scheduler the serving workers; drop lost workers, join loaded
+        launches, and launch up to every target."""
         now = time.monotonic()
         with self._lock:
+            if stats.recovering:
+                refs = [m.ref for m in self.members.values() if not m.draining]
+                ray.get(self.scheduler.adopt.remote(refs))
+                log.warning("the scheduler restarted: handed it %d workers", len(refs))
             for w in stats.workers:
                 member = self.members.get(w.worker_id)
                 if w.state is WorkerState.LOST and member is not None:
@@ -228,17 +274,17 @@ class WorkerPools:
             try:
                 info: WorkerInfo = ray.get(launch.info_ref)
                 self._check(info)
-                ray.get(self.scheduler.add_worker.remote(WorkerRef(
-                    launch.worker_id, self.pools[launch.pool].role,
-                    RayWorkerHandle(launch.actor), info.num_blocks, info.host_blocks,
-                    info.place)))
+                ref = WorkerRef(launch.worker_id, self.pools[launch.pool].role,
+                                RayWorkerHandle(launch.actor), info.num_blocks,
+                                info.host_blocks, info.place)
+                ray.get(self.scheduler.add_worker.remote(ref))
             except (RayActorError, RayTaskError, ValueError) as e:
                 log.warning("worker %s could not join: %s", launch.worker_id, e)
                 ray.kill(self.workers.pop(launch.worker_id))
                 self._failed(launch.pool, now)
                 continue
             self.members[launch.worker_id] = Member(launch.worker_id, launch.pool,
-                                                    launch.actor)
+                                                    launch.actor, ref)
             self.first_step_at[launch.worker_id] = time.monotonic()
             self._failures[launch.pool] = 0
             log.info("worker %s joined after %.1f s", launch.worker_id, now - launch.started)
@@ -281,21 +327,30 @@ class WorkerPools:
 
     def _launch(self, pool: int) -> str:
         wid = self._next_id(self.pools[pool].role)
-        actor = self._actor(self.pools[pool])
+        actor = self._actor(self.pools[pool], wid)
         self.workers[wid] = actor
         self.launches[wid] = Launch(wid, pool, actor, actor.info.remote(), time.monotonic())
         log.info("launching worker %s", wid)
         return wid
 
-    def _actor(self, pool: WorkerPoolConfig) -> Any:
-        """One worker actor with the pool's resources and torch threads."""
-        return ray.remote(Worker).options(**worker_options(pool, self.spec.device)).remote(
+    def _actor(self, pool: WorkerPoolConfig, worker_id: str) -> Any:
+        """One worker actor with the pool's resources and torch threads, named."""
+        lifetime = "detached" if self.detached else None
+        return ray.remote(Worker).options(
+            name=worker_name(self.cell, worker_id), namespace=self.namespace,
+            lifetime=lifetime, **worker_options(pool, self.spec.device)).remote(
             dataclasses.replace(self.spec, num_threads=pool.threads), pool.role)
 
     def _next_id(self, role: Role) -> str:
         n = self._ids[role]
         self._ids[role] += 1
         return f"{role}-{n}"
+
+    def _skip_id(self, worker_id: str) -> None:
+        """Launch no worker under ``worker_id`` (one of a previous owner's)."""
+        role, _, n = worker_id.rpartition("-")
+        with contextlib.suppress(ValueError):
+            self._ids[Role(role)] = max(self._ids[Role(role)], int(n) + 1)
 
     def _serving_ids(self) -> list[str]:
         return sorted(m.worker_id for m in self.members.values() if not m.draining)

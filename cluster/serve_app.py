@@ -24,10 +24,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayActorError
 from starlette.exceptions import HTTPException
 
-from cluster import metrics, openai_tokenize
+from cluster import metrics, openai_tokenize, readiness
+from cluster.client_errors import REQUEST_ID_HEADER, client_error, unavailable
 from cluster.cluster_engine import ClusterClient, ClusterEngine, RequestStream
 from cluster.config import (
     ConfigError,
@@ -56,7 +56,6 @@ from cluster.output_processor import streamable_text
 from cluster.outputs import CompletionOutput, Logprob
 from cluster.reasoning import ReasoningParser
 from cluster.tool_calls import ToolCallParser, ToolCallSplit, parser_for_template, template_messages
-from scheduler.global_scheduler import NoWorkersError, OverloadedError
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
 from workers.loading.hub import is_hub_id
@@ -89,10 +88,12 @@ class CellInfo:
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 class LLMCell:
-    """Owns one cell for the application's lifetime: its worker actors and scheduler."""
+    """Owns one cell for the application's lifetime: its worker actors and scheduler,
+    which outlive this replica's process: restarted by Serve, it adopts them."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
-        self.engine = await asyncio.to_thread(ClusterEngine, config_from_dict(config))
+        self.engine = await asyncio.to_thread(ClusterEngine, config_from_dict(config),
+                                              survive_owner=True)
 
     def describe(self) -> CellInfo:
         e = self.engine
@@ -195,18 +196,6 @@ def _structured_spec(req: Any) -> StructuredOutputsParams | None:
         raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
 
 
-def _scheduler_error(e: BaseException) -> BaseException:
-    """The scheduler's refusals as HTTP errors; anything else passes through."""
-    if isinstance(e, OverloadedError):
-        return APIError(503, str(e), "server_error", code="overloaded", retry_after_s=1)
-    if isinstance(e, (NoWorkersError, RayActorError)):
-        return APIError(503, f"the cluster cannot serve requests now: {e}", "server_error",
-                        code="unavailable", retry_after_s=5)
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
-    return e
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Router:
@@ -232,22 +221,15 @@ class Router:
     # ---- endpoints -------------------------------------------------------------------
     @api.get("/health")
     async def health(self) -> Response:
-        try:
-            stats = await self.client.astats()
-        except Exception as e:
-            return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
-        alive = len(stats.live())
-        if not alive:
-            return JSONResponse({"status": "unavailable", "reason": "no live worker"},
-                                status_code=503)
-        return JSONResponse({"status": "ok", "workers_alive": alive})
+        status, body = await readiness.health(self.client)
+        return JSONResponse(body, status_code=status)
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
         try:
             stats = await self.client.astats()
         except Exception as e:
-            return PlainTextResponse(f"the scheduler does not answer: {e}\n", status_code=503)
+            return PlainTextResponse(unavailable("/metrics", e) + "\n", status_code=503)
         return Response(metrics.render(stats, self.model_name),
                         media_type=metrics.CONTENT_TYPE)
 
@@ -278,11 +260,13 @@ class Router:
     # ---- request handling ------------------------------------------------------------
     async def _answer(self, request: Request,
                       handler: Callable[[Request], Any]) -> Response:
-        """Run a handler with authorization, turning every refusal into OpenAI's shape."""
+        """Run a handler with authorization, turning every refusal and failure into
+        OpenAI's shape (a failure's details go to the log, see ``client_errors``)."""
         try:
             self._authorize(request)
             return await handler(request)
-        except APIError as e:
+        except Exception as e:
+            e = client_error(e, f"err-{uuid.uuid4().hex}")
             self._count_error(e)
             headers = {"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None
             return JSONResponse(e.body(), status_code=e.status, headers=headers)
@@ -465,11 +449,12 @@ class Router:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         await self._submit(request_id, choices)
         kind = "chat.completion" if prefix == "chatcmpl" else "text_completion"
+        headers = {REQUEST_ID_HEADER: request_id}
         if req.stream:
             return StreamingResponse(self._sse(req, request_id, choices, kind, chunk),
-                                     media_type="text/event-stream")
+                                     media_type="text/event-stream", headers=headers)
         try:
-            async for _ in self._progress(choices):
+            async for _ in self._progress(request_id, choices):
                 pass
         finally:
             await self._close(choices)
@@ -479,7 +464,7 @@ class Router:
         if isinstance(req, ChatCompletionRequest) and req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(choices[0].prompt_logprobs or [])
         body["usage"] = _usage(choices).as_dict()
-        return JSONResponse(body)
+        return JSONResponse(body, headers=headers)
 
     async def _submit(self, request_id: str, choices: list[_Choice]) -> None:
         """Open every choice's stream, or none: a refusal closes those already open."""
@@ -490,7 +475,7 @@ class Router:
                     sample_index=c.sample_index)
         except BaseException as e:
             await self._close(choices)
-            raise _scheduler_error(e) from None
+            raise client_error(e, request_id) from None
 
     @staticmethod
     async def _close(choices: list[_Choice]) -> None:
@@ -498,8 +483,10 @@ class Router:
             if c.stream is not None:
                 await c.stream.aclose()
 
-    async def _progress(self, choices: list[_Choice]) -> AsyncIterator[_Choice]:
-        """Each choice as its output grows (outputs of all choices interleaved)."""
+    async def _progress(self, request_id: str, choices: list[_Choice]
+                        ) -> AsyncIterator[_Choice]:
+        """Each choice as its output grows (outputs of all choices interleaved); a
+        failure is raised as the client sees it."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def follow(c: _Choice) -> None:
@@ -521,7 +508,7 @@ class Router:
                     running -= 1
                     continue
                 if isinstance(item, BaseException):
-                    raise _scheduler_error(item)
+                    raise client_error(item, request_id)
                 c.out = item.outputs[0]
                 c.out.index = c.index
                 if item.prompt_logprobs is not None:
@@ -546,7 +533,7 @@ class Router:
             for c in choices:
                 for head in chunk(req, c, first=True):
                     yield _event(self._chunk(request_id, chunk_kind, created, req, [head]))
-            async for c in self._progress(choices):
+            async for c in self._progress(request_id, choices):
                 for body in chunk(req, c, first=False):
                     yield _event(self._chunk(request_id, chunk_kind, created, req, [body]))
             if req.include_usage:
@@ -554,7 +541,8 @@ class Router:
                 tail["choices"] = []
                 tail["usage"] = _usage(choices).as_dict()
                 yield _event(tail)
-        except APIError as e:
+        except Exception as e:
+            e = client_error(e, request_id)
             self._count_error(e)
             yield _event(e.body())
         finally:

@@ -55,13 +55,16 @@ class BatchScheduler:
         self._on_worker: set[str] = set()
         self._drops: list[str] = []
         self._forks: list[ForkedSequence] = []
+        self._reset_worker = False
 
     # ---- requests ------------------------------------------------------------------
     def add(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-            priority: int = 0, sample_index: int = 0) -> None:
+            priority: int = 0, sample_index: int = 0, generated: Seq[int] = ()) -> None:
         """Queue a request: its ``sampling.n`` choices fork after its prompt, or, with
         n = 1, the single choice ``sample_index`` (a choice of a request whose choices
-        run as requests of their own, as on the cluster)."""
+        run as requests of their own, as on the cluster). ``generated``: the tokens it
+        already produced (a request resumed after its scheduler was lost): it goes on
+        from them, recomputed with its prompt, as a preempted sequence does."""
         if sampling.n > 1 and sample_index:
             raise ValueError(f"sample_index: got {sample_index} for n={sampling.n}; a "
                              "request of several choices starts at choice 0")
@@ -74,8 +77,12 @@ class BatchScheduler:
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt has {n} tokens, more than max_num_batched_tokens="
                              f"{self.config.max_num_batched_tokens}; enable chunked prefill")
-        seq = Sequence(child_seq_id(request_id, 0), request_id, list(prompt_token_ids), n,
-                       sampling, next(self._arrivals), priority, sample_index)
+        if generated and sampling.n > 1:
+            raise ValueError(f"generated: got {len(generated)} tokens for n={sampling.n}; "
+                             "resume each choice on its own, with n=1")
+        seq = Sequence(child_seq_id(request_id, 0), request_id,
+                       [*prompt_token_ids, *generated], n, sampling, next(self._arrivals),
+                       priority, sample_index)
         self.seqs[seq.seq_id] = seq
         self.requests[request_id] = [seq]
         self.waiting.push(seq)
@@ -125,6 +132,11 @@ class BatchScheduler:
             seq.status = SeqStatus.WAITING
             seq.num_computed_tokens = 0
             self.waiting.push(seq)
+
+    def reset_worker(self) -> None:
+        """The worker may hold sequences of a scheduler that died: the next plan tells it
+        to forget them (this pool's mirror starts empty, so their blocks are free)."""
+        self._reset_worker = True
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -204,7 +216,9 @@ class BatchScheduler:
         return budget
 
     def _build_plan(self, scheduled) -> StepPlan:
-        plan = StepPlan(self._step, forks=self._forks, finished=self._drops)
+        plan = StepPlan(self._step, forks=self._forks, finished=self._drops,
+                        reset=self._reset_worker)
+        self._reset_worker = False
         if self.tiers is not None:
             plan.tiers = self.tiers.take_changes()
         self._step += 1

@@ -45,6 +45,8 @@ class CellConfig:
     worker, a prompt goes where it costs least (None: always to a prefill worker).
     ``max_waiting``: queued requests before submissions are refused as overloaded.
     ``transfer_timeout_s``: a slower KV handoff is abandoned and recomputed.
+    ``client_lease_s``: a client that has not polled for this long is gone (its
+    requests are aborted, see ``client_leases``).
     """
 
     batch: SchedulerConfig
@@ -57,3 +59,4 @@ class CellConfig:
     max_waiting: int = 1024
     transfer_timeout_s: float = 30.0
     long_context: LongContextConfig | None = None
+    client_lease_s: float = 15.0

@@ -11,8 +11,13 @@ recomputed from the prompt plus the tokens already produced, so callers never se
 repeated text. Request-level serving totals (``serving_stats``) are kept here, where
 every request passes, for the cell's metrics.
 
-The class is plain asyncio; ``cluster`` runs it as a named, detached async Ray actor.
-It holds no tensor and no actor: workers are reached only through ``WorkerHandle``s.
+The class is plain asyncio; ``cluster`` runs it as a named, detached async Ray actor
+that Ray restarts when its process dies. A restarted scheduler knows no request: it
+starts ``recovering``, adopts the cell's live workers (``adopt``: each forgets what it
+held, so no block leaks) and then takes the requests the routers resubmit with the
+tokens already streamed (``submit``'s ``generated``). A client that stops polling (a
+dead router replica) loses its requests (``client_leases``), so none holds blocks. It
+holds no tensor and no actor: workers are reached only through ``WorkerHandle``s.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler.cell_worker import CellWorker
+from scheduler.client_leases import ClientLeases
 from scheduler.config import CellConfig
 from scheduler.handoff import Handoff, Outcome
 from scheduler.placement import decode_target, place_prompt
@@ -62,13 +68,17 @@ class _Request:
 
 
 class GlobalScheduler:
-    def __init__(self, workers: list[WorkerRef], config: CellConfig) -> None:
-        if not workers:
+    def __init__(self, workers: list[WorkerRef], config: CellConfig,
+                 recovering: bool = False) -> None:
+        """``recovering``: a restarted scheduler, without workers until ``adopt``."""
+        if not workers and not recovering:
             raise ValueError("workers: got none; a cluster needs at least one worker")
         self.config = config
+        self.recovering = recovering
         self.workers = [CellWorker.join(w, config) for w in workers]
         self.requests: dict[str, _Request] = {}
         self.clients: dict[str, set[str]] = {}   # client -> its requests still known
+        self.leases = ClientLeases(config.client_lease_s)
         self.num_recovered = 0
         self.num_migrated = 0
         self.ttft = LatencyWindow()
@@ -80,15 +90,34 @@ class GlobalScheduler:
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Start one step loop per worker (needs the running event loop)."""
+        """Start one step loop per worker, and the reaper of gone clients (needs the
+        running event loop)."""
         for w in self.workers:
             self._spawn(self._loop(w))
+        self._spawn(self._reap_clients())
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
             task.cancel()
 
     # ---- membership ------------------------------------------------------------------
+    async def adopt(self, workers: list[WorkerRef]) -> None:
+        """A restarted scheduler takes over the cell's live workers (those not in it
+        yet): each first forgets every sequence it held, then serves. Ends recovery."""
+        known = {w.worker_id for w in self.workers if w.alive}
+        for ref in workers:
+            if ref.worker_id in known:
+                continue
+            w = CellWorker.join(ref, self.config)
+            w.batch.reset_worker()
+            self.workers.append(w)
+            self._spawn(self._loop(w))
+        if self.recovering:
+            self._spawn(self._reap_clients())
+        self.recovering = False
+        log.info("adopted %d workers; serving again", len(self.workers))
+        self._notify()
+
     async def add_worker(self, ref: WorkerRef) -> None:
         """A worker joins the running cell and takes work from its first step on."""
         if any(w.worker_id == ref.worker_id and w.alive for w in self.workers):
@@ -136,28 +165,37 @@ class GlobalScheduler:
     # ---- requests --------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0,
-                     client: str | None = None, sample_index: int = 0) -> None:
+                     client: str | None = None, sample_index: int = 0,
+                     generated: list[int] | None = None) -> None:
         """Queue one choice (``sample_index``) of a request, or raise ``OverloadedError``
         at once when the queue is full. ``client`` names the caller for
         ``get_client_updates``. A request of n choices is n submissions (see
-        ``cluster.choices``), each placed, handed off and migrated on its own."""
+        ``cluster.choices``), each placed, handed off and migrated on its own.
+        ``generated``: the tokens its caller already has (a request resumed after the
+        scheduler was lost); it goes on from them."""
         if params.n != 1:
             raise ValueError(f"n: got {params.n}; submit each of a request's choices on "
                              "its own, with n=1 and its sample_index")
+        if self.recovering:
+            raise NoWorkersError("the scheduler restarted and is taking over its workers; "
+                                 "retry in a few seconds")
         queued = sum(w.batch.num_waiting for w in self.workers if w.alive)
         limit = self.config.max_waiting
-        if queued >= limit:
+        if queued >= limit and generated is None:   # a resumed request was admitted once
             raise OverloadedError(f"overloaded: {queued} requests are waiting "
                                   f"(cluster.max_waiting={limit}); retry later")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        w = place_prompt(self.workers, prompt_token_ids, self.config)
+        tokens = [*prompt_token_ids, *(generated or ())]
+        w = place_prompt(self.workers, tokens, self.config)
         if w is None:
             raise NoWorkersError("no live worker is left in this cluster; restart it")
-        w.batch.add(request_id, prompt_token_ids, params, priority, sample_index)
+        w.batch.add(request_id, prompt_token_ids, params, priority, sample_index,
+                    generated or ())
         self.requests[request_id] = _Request(w.batch.seqs[request_id], w)
         if client is not None:
             self.clients.setdefault(client, set()).add(request_id)
+            self.leases.touch(client)
         w.wake.set()
 
     async def get_updates(self, request_ids: list[str], timeout_s: float = 1.0) -> Updates:
@@ -169,8 +207,25 @@ class GlobalScheduler:
     async def get_client_updates(self, client: str, timeout_s: float = 1.0) -> Updates:
         """``get_updates`` over every live request submitted with ``client``, so one
         long-poll serves all the streams of a router replica, those submitted while
-        it waits included."""
-        return await self._wait_updates(lambda: self._client_requests(client), timeout_s)
+        it waits included. Raises ``ClientExpiredError`` to a client whose lease ran
+        out (see ``client_leases``)."""
+        self.leases.begin_poll(client)
+        try:
+            return await self._wait_updates(lambda: self._client_requests(client), timeout_s)
+        finally:
+            self.leases.end_poll(client)
+
+    async def _reap_clients(self) -> None:
+        """Abort the requests of clients that are gone (a dead router replica's)."""
+        while True:
+            await asyncio.sleep(self.leases.lease_s / 4)
+            for client in self.leases.expire(sorted(self.clients)):
+                rids = self._client_requests(client)
+                self.clients.pop(client, None)
+                log.warning("client %s is gone (no poll for %.0f s): aborting its %d "
+                            "requests", client, self.leases.lease_s, len(rids))
+                for rid in rids:
+                    await self.abort(rid)
 
     def _client_requests(self, client: str) -> list[str]:
         live = {rid for rid in self.clients.pop(client, ()) if rid in self.requests}
@@ -229,7 +284,11 @@ class GlobalScheduler:
                          sum(1 for r in self.requests.values() if r.worker is None),
                          self.num_recovered, self.num_migrated,
                          self.ttft.mean(time.monotonic()), self.tpot.mean(time.monotonic()),
-                         list(self.pools), copy.deepcopy(self.serving))
+                         list(self.pools), copy.deepcopy(self.serving), self.recovering)
+
+    async def settings(self) -> CellConfig:
+        """The cell's settings (what a new owner of the running cell goes by)."""
+        return self.config
 
     async def report_pools(self, pools: list[PoolReport]) -> None:
         """The pool manager's latest view of the pools, passed on with ``stats``."""

@@ -244,9 +244,9 @@ class ForkedSequence:
 class StepPlan:
     """What one worker runs in one step; only what changed since the last step.
 
-    The worker applies, in order: forks, drops (``finished``), new sequences, tier
-    changes, then runs ``new`` and ``continued`` sequences in one forward pass, in the
-    order given.
+    The worker applies, in order: ``reset``, forks, drops (``finished``), new sequences,
+    tier changes, then runs ``new`` and ``continued`` sequences in one forward pass, in
+    the order given.
     """
 
     step_id: int
@@ -255,6 +255,9 @@ class StepPlan:
     forks: list[ForkedSequence] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     tiers: list[TierChange] = field(default_factory=list)
+    # Forget every sequence held: the first plan of a scheduler that adopted the worker
+    # after a restart (what it held belongs to requests the new scheduler never saw).
+    reset: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -263,7 +266,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new or self.continued or self.forks or self.finished or self.tiers)
+        return not (self.new or self.continued or self.forks or self.finished or self.tiers
+                    or self.reset)
 
 
 @dataclass

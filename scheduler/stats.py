@@ -155,6 +155,7 @@ class CellStats:
     tpot_s: float | None = None   # mean time per output token over the recent window
     pools: list[PoolReport] = field(default_factory=list)
     serving: ServingStats = field(default_factory=ServingStats)   # request-level totals
+    recovering: bool = False   # restarted, not yet serving: taking over its workers
 
     def live(self, role: Role | None = None) -> list[WorkerReport]:
         """The workers whose actors answer, of ``role`` if given."""

@@ -131,6 +131,8 @@ class ModelRunner:
     # ---- plan application --------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepOutput:
         start = time.perf_counter()
+        if plan.reset:   # a restarted scheduler's first plan: its blocks are free again
+            self.seqs.clear()
         self._apply_forks(plan.forks)
         for seq_id in plan.finished:
             self.seqs.pop(seq_id, None)
