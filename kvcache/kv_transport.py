@@ -6,9 +6,10 @@ returning, and only then are the sender's blocks released (they are pinned until
 
 - ``SHARED_MEMORY`` (same node, both pools in shared segments): the sender sends only a
   description, a KV batch without the ``kv`` column whose rows name the block in the
-  sender's pool (``src_block``) and its checksum, and whose metadata names the sender's
-  segment. The receiver maps that segment once and copies each block straight into its
-  own pool, hashing it while it is in cache: one copy, no staging, no object store.
+  sender's pool (``src_block``) and its checksum (stored when the block was written:
+  ``BlockChecksums``), and whose metadata names the sender's segment. The receiver maps
+  that segment once and copies each block straight into its own pool, hashing it while
+  it is in cache, on torch's threads: one copy, no staging, no object store.
 - ``OBJECT_STORE`` (across nodes, or pools outside shared memory): the KV batch with its
   payload, returned by the sender's method so that the caller owns it, in parts of at
   most ``MAX_PART_BYTES`` each so no one object grows past a few hundred MB.
@@ -30,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from kvcache.block_checksum import block_checksums, copy_verified
+from kvcache.block_checksum import BlockChecksums, copy_verified
 from kvcache.kv_transfer import (
     HostRows,
     ImportedBlocks,
@@ -99,12 +100,18 @@ def is_shared(batch: pa.RecordBatch) -> bool:
     return (batch.schema.metadata or {}).get(b"transport") == Transport.SHARED_MEMORY.value.encode()
 
 
+def pool_checksums(kv_caches: Sequence[torch.Tensor]) -> BlockChecksums:
+    """An empty checksum store for a host pool (``allocate_kv_cache``'s)."""
+    return BlockChecksums(_slab_bytes(kv_caches))
+
+
 def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
-                  meta: KVLayoutMeta, segment: SegmentHandle,
+                  meta: KVLayoutMeta, segment: SegmentHandle, checksums: BlockChecksums,
                   summaries: torch.Tensor | None = None) -> pa.RecordBatch:
     """The description of blocks ``block_ids`` of a pool that lies at the start of
-    ``segment``: no payload, a checksum per block."""
+    ``segment``: no payload, a checksum per block from the pool's ``checksums`` (those
+    stored when the blocks were written; the others hashed now)."""
     _check_pool(kv_caches, meta)
     n = len(block_ids)
     if len(block_hashes) != n or len(token_counts) != n:
@@ -113,12 +120,12 @@ def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     counts = np.asarray(token_counts, dtype=np.int32)
     _check_token_counts(counts, meta.block_size)
     src = np.asarray(block_ids, dtype=np.int32)
-    checksums = block_checksums(_slab_bytes(kv_caches), src)
+    sums = checksums.of(src)
     hashes = list(block_hashes)
     columns = [("block_hash", pa.binary()), ("num_tokens", pa.int32()),
                ("src_block", pa.int32()), ("checksum", pa.uint64())]
     arrays = [pa.array(hashes, type=pa.binary()), pa.array(counts), pa.array(src),
-              pa.array(checksums)]
+              pa.array(sums)]
     summary = None
     if summaries is not None:
         summary = np.ascontiguousarray(summaries.float().cpu().numpy()).reshape(n, -1)
@@ -128,16 +135,18 @@ def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                                      summary.shape[1]))
     fields = {"transport": Transport.SHARED_MEMORY.value, "num_blocks": kv_caches[0].shape[1],
               **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS},
-              "digest": _digest(counts, hashes, src, checksums, summary)}
+              "digest": _digest(counts, hashes, src, sums, summary)}
     metadata = {**meta.metadata(), **{k.encode(): str(v).encode() for k, v in fields.items()}}
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(columns, metadata=metadata))
 
 
 def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                   dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta,
-                  peers: PeerSegments, host: HostRows | None = None) -> ImportedBlocks:
+                  peers: PeerSegments, checksums: BlockChecksums,
+                  host: HostRows | None = None) -> ImportedBlocks:
     """Copy the described blocks out of the sender's segment into ``dst_block_ids`` (and
-    the ``host`` rows into host-tier blocks), verifying each block as it lands.
+    the ``host`` rows into host-tier blocks), verifying each block as it lands, on
+    ``torch.get_num_threads()`` threads; the pool's ``checksums`` learn the verified ones.
 
     Everything but the payload is checked first; the payload is checked block by block.
     """
@@ -152,7 +161,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         counts = batch.column("num_tokens").to_numpy()
         hashes = batch.column("block_hash").to_pylist()
         src = batch.column("src_block").to_numpy()
-        checksums = batch.column("checksum").to_numpy()
+        sums = batch.column("checksum").to_numpy()
         segment = SegmentHandle(*(int(received[f"segment_{k}".encode()])
                                   for k in _SEGMENT_FIELDS))
         src_blocks = int(received[b"num_blocks"])
@@ -161,7 +170,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                               "metadata export_shared writes") from e
     summary = (_values_view(batch.column("summary").storage.flatten()).reshape(batch.num_rows, -1)
                if "summary" in batch.schema.names else None)
-    digest = _digest(counts, hashes, src, checksums, summary)
+    digest = _digest(counts, hashes, src, sums, summary)
     if received.get(b"digest") != digest.encode():
         raise KVTransferError(f"KV description digest: received {received.get(b'digest')!r}, "
                               f"computed {digest!r}: corrupted in transfer")
@@ -189,18 +198,22 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                                                                        src_blocks, slab_bytes)
     h0 = host.first_row if host else batch.num_rows
     pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows]
-    bad = copy_verified(source, src[pool_rows], dst, ids, checksums[pool_rows])
+    threads = torch.get_num_threads()
+    checksums.written(ids)   # from here on they hold part of a copy until it is verified
+    bad = copy_verified(source, src[pool_rows], dst, ids, sums[pool_rows], threads)
     if bad is None and host:
         host_bytes = host.kv.view(torch.uint8).numpy().reshape(dst.shape[0], -1, slab_bytes)
         rows = np.arange(h0, h0 + num_host)
-        bad = copy_verified(source, src[rows], host_bytes, host.block_ids, checksums[rows])
+        bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
+                            threads)
         bad = None if bad is None else int(rows[bad])
     elif bad is not None:
         bad = int(pool_rows[bad])
     if bad is not None:
         raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
-                              f"match checksum {checksums[bad]:#018x}: corrupted or "
+                              f"match checksum {sums[bad]:#018x}: corrupted or "
                               "overwritten in the sender's pool")
+    checksums.stored(ids, sums[pool_rows])
     summaries = None
     if summary is not None:
         summaries = _read_only_tensor(summary).view(

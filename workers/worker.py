@@ -119,12 +119,12 @@ class Worker:
         summaries = lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1) if lc else None
         nbytes = len(block_ids) * self.runner.kv_shape.bytes_per_block
         if plan.transport is Transport.SHARED_MEMORY:
-            if self.runner.kv_segment is None:
+            segment, sums = self.runner.kv_segment, self.runner.kv_checksums
+            if segment is None or sums is None:
                 raise ValueError("plan: shared memory, but this worker's pool is not in a "
                                  "shared segment (a device pool); plan the object store")
             batches = [export_shared(self.runner.kv_caches, block_ids, block_hashes,
-                                     token_counts, self.meta, self.runner.kv_segment.handle,
-                                     summaries)]
+                                     token_counts, self.meta, segment.handle, sums, summaries)]
         else:
             def copy(a: int, b: int) -> pa.RecordBatch:
                 return export_blocks(self.runner.kv_caches, block_ids[a:b], block_hashes[a:b],
@@ -162,11 +162,18 @@ class Worker:
                              host_ids[in_host[0] - host_first_row:in_host[-1] - host_first_row + 1],
                              lc.host.kv) if in_host else None)
             ids = [pool_ids[r] for r in rows if r < len(pool_ids) and pool_ids[r] >= 0]
+            sums = self.runner.kv_checksums
             if is_shared(part):
+                if sums is None:
+                    raise ValueError("KV handoff: a shared-memory description, but this "
+                                     "worker's pool is not in a shared segment (a device "
+                                     "pool); plan the object store")
                 imported.append(import_shared(part, self.runner.kv_caches, ids, self.meta,
-                                              self.peers, host))
+                                              self.peers, sums, host))
             elif self.streams is None:
                 imported.append(import_blocks(part, self.runner.kv_caches, ids, self.meta, host))
+                if sums is not None:   # hashed if ever exported again, not on this path
+                    sums.written(ids)
             else:
                 imported.append(self.streams.import_(
                     lambda part=part, ids=ids, host=host: import_blocks(
