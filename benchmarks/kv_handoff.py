@@ -5,9 +5,11 @@ block size 16), one sequence's blocks (scattered block ids, as in a used pool) m
 one pool to another, both in shared segments as a worker's host pool is:
 
 - shm (the one-copy same-node transport), request to acknowledgement: export_shared (the
-  sender hashes each block) -> import_shared (the receiver maps the sender's segment,
-  once, and copies each block into its pool, hashing it while it is in cache), in one
-  process (the actor calls that carry the description are not timed);
+  sender sends the checksums it stored when the blocks were written) -> import_shared
+  (the receiver maps the sender's segment, once, and copies each block into its pool,
+  hashing it while it is in cache, on torch's threads), in one process (the actor calls
+  that carry the description are not timed). The sender's hashing of the blocks, which
+  a worker does in the steps that fill them, is timed apart ("seal");
 - object store: export_blocks -> ray.put -> ray.get (same process, zero-copy read) ->
   import_blocks, checksum and all checks included, in parts of at most MAX_PART_BYTES as
   the workers hand them off;
@@ -46,9 +48,16 @@ import numpy as np
 import ray
 import torch
 
+from kvcache.block_checksum import BlockChecksums
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
-from kvcache.kv_transport import MAX_PART_BYTES, export_shared, import_shared, part_bounds
+from kvcache.kv_transport import (
+    MAX_PART_BYTES,
+    export_shared,
+    import_shared,
+    part_bounds,
+    pool_checksums,
+)
 from kvcache.shm_segment import PeerSegments, SharedSegment
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
@@ -91,14 +100,22 @@ def object_store(src, dst, src_ids: list[int], dst_ids: list[int], meta: KVLayou
         phases[name].append(t)
 
 
+def seal(sums: BlockChecksums, src_ids: list[int], phases: dict[str, list[float]]) -> None:
+    """The blocks are written again (their checksums gone) and hashed, as the steps that
+    fill them do; not part of the handoff."""
+    sums.written(src_ids)
+    phases["seal"].append(timed(sums.seal, src_ids))
+
+
 def shared_memory(src, dst, src_ids: list[int], dst_ids: list[int], meta: KVLayoutMeta,
                   segment: SharedSegment, peers: PeerSegments,
+                  sums: tuple[BlockChecksums, BlockChecksums],
                   phases: dict[str, list[float]]) -> None:
     start = time.perf_counter()
     description = export_shared(src, src_ids, [None] * len(src_ids),
-                                [BLOCK_SIZE] * len(src_ids), meta, segment.handle)
+                                [BLOCK_SIZE] * len(src_ids), meta, segment.handle, sums[0])
     exported = time.perf_counter()
-    import_shared(description, dst, dst_ids, meta, peers)
+    import_shared(description, dst, dst_ids, meta, peers, sums[1])
     phases["export"].append(exported - start)
     phases["import"].append(time.perf_counter() - exported)
 
@@ -125,6 +142,7 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
     for kv in src:
         kv.normal_()
     peers = PeerSegments()
+    sums = (pool_checksums(src), pool_checksums(dst))
     g = torch.Generator().manual_seed(0)
     rows = []
     for tokens in token_counts:
@@ -138,13 +156,14 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
         a = torch.frombuffer(segment.buffer, dtype=torch.uint8, count=nbytes)
         b = torch.frombuffer(dst_segment.buffer, dtype=torch.uint8, count=nbytes)
         phases: dict[str, list[float]] = {"export": [], "put": [], "get": [], "import": []}
-        shm_phases: dict[str, list[float]] = {"export": [], "import": []}
+        shm_phases: dict[str, list[float]] = {"seal": [], "export": [], "import": []}
         ids_list, dst_list = src_ids.tolist(), dst_ids.tolist()
         times: dict[str, list[float]] = {k: [] for k in PATHS}
         for _ in range(reps + 1):
             times["memcpy"].append(timed(b.copy_, a))
+            seal(sums[0], ids_list, shm_phases)
             times["shm"].append(timed(shared_memory, src, dst, ids_list, dst_list, meta,
-                                      segment, peers, shm_phases))
+                                      segment, peers, sums, shm_phases))
             times["object_store"].append(timed(object_store, src, dst, ids_list, dst_list,
                                                meta, parts, phases))
             times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids, parts))
@@ -217,11 +236,12 @@ def markdown(rows: list[dict]) -> str:
 
     return "\n".join(table(
         ["dtype", "tokens", "MB", "memcpy ms", "GB/s", "shm ms", "GB/s", "of memcpy",
-         "export / import ms",
+         "export / import ms", "seal ms (in the steps)",
          "object store ms", "GB/s", "of memcpy", "parts", "export / put / get / import ms",
          "pickle ms", "GB/s", "of memcpy"],
         [[r["dtype"], str(r["tokens"]), f"{r['MB']:.1f}", *path(r, "memcpy")[:2],
           *path(r, "shm"), f"{1e3 * r['shm_export_s']:.1f} / {1e3 * r['shm_import_s']:.1f}",
+          f"{1e3 * r['shm_seal_s']:.1f}",
           *path(r, "object_store"), str(r["parts"]),
           " / ".join(f"{1e3 * r[f'object_store_{k}_s']:.1f}"
                      for k in ("export", "put", "get", "import")),

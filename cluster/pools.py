@@ -336,9 +336,11 @@ class WorkerPools:
     def _actor(self, pool: WorkerPoolConfig, worker_id: str) -> Any:
         """One worker actor with the pool's resources and torch threads, named."""
         lifetime = "detached" if self.detached else None
-        return ray.remote(Worker).options(
+        # Resources given to ray.remote, not .options(): Ray reads enable_tensor_transport
+        # from the class only.
+        return ray.remote(**worker_options(pool, self.spec.device))(Worker).options(
             name=worker_name(self.cell, worker_id), namespace=self.namespace,
-            lifetime=lifetime, **worker_options(pool, self.spec.device)).remote(
+            lifetime=lifetime).remote(
             dataclasses.replace(self.spec, num_threads=pool.threads), pool.role)
 
     def _next_id(self, role: Role) -> str:
@@ -359,12 +361,15 @@ class WorkerPools:
 def worker_options(pool: WorkerPoolConfig, device: str) -> dict[str, Any]:
     """Ray actor options for one worker of ``pool``. A worker on ``device: npu`` holds one
     NPU (``{"NPU": 1}`` unless the pool names another amount): Ray then places it on a
-    node with a free NPU and sets ``ASCEND_RT_VISIBLE_DEVICES`` to it."""
+    node with a free NPU and sets ``ASCEND_RT_VISIBLE_DEVICES`` to it. Accelerator
+    workers may send block tensors by a Ray Direct Transport (``tensor_transport``)."""
     resources = dict(pool.resources)
     if device == "npu":
         resources.setdefault("NPU", 1.0)
     options: dict[str, Any] = {"num_cpus": resources.pop("CPU", 0),
                                "num_gpus": resources.pop("GPU", 0), "max_restarts": 0}
+    if device in ("cuda", "npu"):   # device-to-device handoffs (Ray Direct Transport)
+        options["enable_tensor_transport"] = True
     if resources:
         options["resources"] = resources
     return options

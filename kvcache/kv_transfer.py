@@ -146,15 +146,7 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     # The gather writes straight into the rows (no temporary); a device pool is
     # gathered on the device and crosses to the host in one transfer.
     rows = host if device.type == "cpu" else torch.empty_like(host, device=device)
-    row_words = _words(rows)
-    slabs = _pool_slabs(kv_caches)
-    if slabs is not None:
-        torch.index_select(slabs, 0, _slab_ids(ids, kv_caches),
-                           out=row_words.view(-1, row_words.shape[-1]))
-    else:
-        for layer, kv in enumerate(kv_caches):
-            for kind, slab in enumerate(_words(kv.view(2, kv.shape[1], -1))):
-                torch.index_select(slab, 0, ids, out=row_words[:, layer, kind])
+    gather_rows(kv_caches, ids, rows)
     if rows is not host:
         host.copy_(rows)
     flat = flat.view(value_type.to_pandas_dtype())
@@ -175,6 +167,19 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
         arrays.append(_tensor_column(schema.field("summary").type,
                                      pa.array(summary.reshape(-1)), summary.shape[1]))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Blocks ``ids`` (on the pool's device) into ``rows`` [n, L, 2, elems], on that device."""
+    row_words = _words(rows)
+    slabs = _pool_slabs(kv_caches)
+    if slabs is not None:
+        torch.index_select(slabs, 0, _slab_ids(ids, kv_caches),
+                           out=row_words.view(-1, row_words.shape[-1]))
+    else:
+        for layer, kv in enumerate(kv_caches):
+            for kind, slab in enumerate(_words(kv.view(2, kv.shape[1], -1))):
+                torch.index_select(slab, 0, ids, out=row_words[:, layer, kind])
 
 
 def _tensor_column(tensor_type: pa.DataType, values: pa.Array, row_size: int) -> pa.Array:
@@ -207,11 +212,7 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         if got_type != want_type:
             raise KVTransferError(f"KV batch column {name}: received type {got_type}, "
                                   f"expected {want_type}")
-    num_blocks = kv_caches[0].shape[1]
-    ids = np.asarray(dst_block_ids, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.unique(ids).size != ids.size):
-        raise ValueError(f"dst_block_ids: got {list(dst_block_ids)}; expected distinct ids "
-                         f"in [0, {num_blocks})")
+    ids = check_destination(kv_caches, dst_block_ids)
 
     kv_storage = batch.column("kv").storage
     counts_column = batch.column("num_tokens")
@@ -237,16 +238,36 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                              sender_meta.layout, expected_meta.layout, expected_meta.block_size,
                              expected_meta.num_kv_heads, expected_meta.head_dim
                              ).reshape(*src.shape[:3], _block_elems(expected_meta))
-    h0 = host.first_row if host else batch.num_rows
-    _scatter(torch.cat((src[:h0], src[h0 + num_host:])) if num_host else src, kv_caches, ids)
-    if host:
-        rows = src[h0:h0 + num_host].view(num_host, *host.kv.shape[:2], *host.kv.shape[3:])
-        host.kv.index_copy_(2, torch.as_tensor(host.block_ids), rows.permute(1, 2, 0, 3, 4, 5))
+    place_rows(src, kv_caches, ids, host)
     summaries = None
     if summary is not None:
         summaries = _read_only_tensor(summary).view(
             batch.num_rows, *batch.schema.field("summary").type.shape)
     return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
+
+
+def place_rows(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray,
+               host: HostRows | None) -> None:
+    """Rows [n, L, 2, elems] into pool blocks ``ids``, except the ``host`` rows, which go
+    to host-tier blocks."""
+    num_host = len(host.block_ids) if host else 0
+    h0 = host.first_row if host else src.shape[0]
+    _scatter(torch.cat((src[:h0], src[h0 + num_host:])) if num_host else src, kv_caches, ids)
+    if host:
+        rows = src[h0:h0 + num_host].to(host.kv.device).view(
+            num_host, *host.kv.shape[:2], *host.kv.shape[3:])
+        host.kv.index_copy_(2, torch.as_tensor(host.block_ids), rows.permute(1, 2, 0, 3, 4, 5))
+
+
+def check_destination(kv_caches: Sequence[torch.Tensor],
+                      dst_block_ids: Sequence[int]) -> np.ndarray:
+    """The destination block ids as an array: distinct, in this pool (a local bug if not)."""
+    ids = np.asarray(dst_block_ids, dtype=np.int64)
+    num_blocks = kv_caches[0].shape[1]
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.unique(ids).size != ids.size):
+        raise ValueError(f"dst_block_ids: got {list(dst_block_ids)}; expected distinct ids "
+                         f"in [0, {num_blocks})")
+    return ids
 
 
 def check_metadata(received: dict[bytes, bytes], expected_meta: KVLayoutMeta) -> None:

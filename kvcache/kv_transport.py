@@ -6,12 +6,17 @@ returning, and only then are the sender's blocks released (they are pinned until
 
 - ``SHARED_MEMORY`` (same node, both pools in shared segments): the sender sends only a
   description, a KV batch without the ``kv`` column whose rows name the block in the
-  sender's pool (``src_block``) and its checksum, and whose metadata names the sender's
-  segment. The receiver maps that segment once and copies each block straight into its
-  own pool, hashing it while it is in cache: one copy, no staging, no object store.
+  sender's pool (``src_block``) and its checksum (stored when the block was written:
+  ``BlockChecksums``), and whose metadata names the sender's segment. The receiver maps
+  that segment once and copies each block straight into its own pool, hashing it while
+  it is in cache, on torch's threads: one copy, no staging, no object store.
 - ``OBJECT_STORE`` (across nodes, or pools outside shared memory): the KV batch with its
   payload, returned by the sender's method so that the caller owns it, in parts of at
   most ``MAX_PART_BYTES`` each so no one object grows past a few hundred MB.
+- ``DEVICE`` (both workers name the same Ray Direct Transport, ``tensor_transport``):
+  the same description, and the blocks as one tensor on the sender's device that the
+  transport carries into the receiver's (``kvcache.device_transport``). Preferred when
+  both have one; otherwise the host paths above.
 
 A refused, corrupted or late transfer raises ``KVTransferError`` (or times out) and the
 scheduler recomputes the sequence; on a checksum mismatch the receiver's reserved blocks
@@ -30,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from kvcache.block_checksum import block_checksums, copy_verified
+from kvcache.block_checksum import BlockChecksums, copy_verified
 from kvcache.kv_transfer import (
     HostRows,
     ImportedBlocks,
@@ -42,6 +47,7 @@ from kvcache.kv_transfer import (
     _read_only_tensor,
     _tensor_column,
     _values_view,
+    check_destination,
     check_metadata,
 )
 from kvcache.shm_segment import PeerSegments, SegmentError, SegmentHandle
@@ -53,21 +59,28 @@ _SEGMENT_FIELDS = ("pid", "fd", "inode", "nbytes")
 class Transport(enum.Enum):
     SHARED_MEMORY = "shm"
     OBJECT_STORE = "object_store"
+    DEVICE = "device"
 
 
 @dataclass(frozen=True)
 class WorkerPlace:
-    """Where a worker's pool is, as a transport sees it: plain values that cross processes."""
+    """Where a worker's pool is, as a transport sees it: plain values that cross processes.
+
+    ``tensor_transport``: the Ray Direct Transport its actor sends and receives block
+    tensors through (``nixl``; ``nccl``, ``gloo`` or Ascend's HCCL within a collective
+    group its peers share), None where it has none."""
 
     node_id: str
     block_bytes: int
     segment: SegmentHandle | None = None   # its pool's shared segment (host-memory pools)
+    tensor_transport: str | None = None
 
 
 @dataclass(frozen=True)
 class HandoffPlan:
     transport: Transport
     parts: int   # KV batches the sender returns (object store: each <= MAX_PART_BYTES)
+    tensor_transport: str | None = None   # DEVICE: the Ray Direct Transport that carries it
 
 
 @dataclass(frozen=True)
@@ -76,13 +89,24 @@ class HandoffInfo:
 
     transport: Transport
     nbytes: int   # KV payload bytes the handoff moves
+    tensor_transport: str | None = None   # DEVICE: the Ray Direct Transport
+
+    @property
+    def label(self) -> str:
+        """The transport as stats name it: ``shm``, ``object_store``, ``device:nixl``..."""
+        if self.tensor_transport is None:
+            return self.transport.value
+        return f"{self.transport.value}:{self.tensor_transport}"
 
 
 def plan_handoff(src: WorkerPlace | None, dst: WorkerPlace | None, num_blocks: int) -> HandoffPlan:
-    """Shared memory when both pools are in shared segments on one node, else the object
-    store; a worker whose place is unknown gets the object store in one part."""
+    """A device transport both workers have; else shared memory when both pools are in
+    shared segments on one node; else the object store. A worker whose place is unknown
+    gets the object store in one part."""
     if src is None or dst is None:
         return HandoffPlan(Transport.OBJECT_STORE, 1)
+    if src.tensor_transport is not None and src.tensor_transport == dst.tensor_transport:
+        return HandoffPlan(Transport.DEVICE, 1, src.tensor_transport)
     if src.node_id == dst.node_id and src.segment is not None and dst.segment is not None:
         return HandoffPlan(Transport.SHARED_MEMORY, 1)
     return HandoffPlan(Transport.OBJECT_STORE,
@@ -95,30 +119,51 @@ def part_bounds(num_rows: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def is_shared(batch: pa.RecordBatch) -> bool:
-    return (batch.schema.metadata or {}).get(b"transport") == Transport.SHARED_MEMORY.value.encode()
+def transport_of(batch: pa.RecordBatch) -> Transport:
+    """The transport a KV batch was made for (a batch with its payload: the object store)."""
+    sent = (batch.schema.metadata or {}).get(b"transport", b"").decode(errors="replace")
+    return Transport(sent) if sent in {t.value for t in Transport} else Transport.OBJECT_STORE
+
+
+def pool_checksums(kv_caches: Sequence[torch.Tensor]) -> BlockChecksums:
+    """An empty checksum store for a host pool (``allocate_kv_cache``'s)."""
+    return BlockChecksums(_slab_bytes(kv_caches))
 
 
 def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
-                  meta: KVLayoutMeta, segment: SegmentHandle,
+                  meta: KVLayoutMeta, segment: SegmentHandle, checksums: BlockChecksums,
                   summaries: torch.Tensor | None = None) -> pa.RecordBatch:
     """The description of blocks ``block_ids`` of a pool that lies at the start of
-    ``segment``: no payload, a checksum per block."""
+    ``segment``: no payload, a checksum per block from the pool's ``checksums`` (those
+    stored when the blocks were written; the others hashed now)."""
     _check_pool(kv_caches, meta)
-    n = len(block_ids)
+    src = np.asarray(block_ids, dtype=np.int32)
+    fields = {"num_blocks": kv_caches[0].shape[1],
+              **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS}}
+    return describe(Transport.SHARED_MEMORY, meta, block_hashes, token_counts,
+                    checksums.of(src), summaries, fields, src)
+
+
+def describe(transport: Transport, meta: KVLayoutMeta, block_hashes: Sequence[bytes | None],
+             token_counts: Sequence[int], checksums: np.ndarray,
+             summaries: torch.Tensor | None, fields: dict[str, object],
+             src: np.ndarray | None = None) -> pa.RecordBatch:
+    """A handoff's description: a KV batch without its payload, a row per block (hash,
+    token count, the block in the sender's pool when given, checksum, summaries), the
+    layout and ``fields`` in its metadata, and a digest over all of it."""
+    n = len(checksums)
     if len(block_hashes) != n or len(token_counts) != n:
-        raise ValueError(f"export_shared: {n} block ids, {len(block_hashes)} hashes and "
+        raise ValueError(f"KV description: {n} blocks, {len(block_hashes)} hashes and "
                          f"{len(token_counts)} token counts; expected one of each per block")
     counts = np.asarray(token_counts, dtype=np.int32)
     _check_token_counts(counts, meta.block_size)
-    src = np.asarray(block_ids, dtype=np.int32)
-    checksums = block_checksums(_slab_bytes(kv_caches), src)
     hashes = list(block_hashes)
-    columns = [("block_hash", pa.binary()), ("num_tokens", pa.int32()),
-               ("src_block", pa.int32()), ("checksum", pa.uint64())]
-    arrays = [pa.array(hashes, type=pa.binary()), pa.array(counts), pa.array(src),
-              pa.array(checksums)]
+    columns = [("block_hash", pa.binary()), ("num_tokens", pa.int32()), ("checksum", pa.uint64())]
+    arrays = [pa.array(hashes, type=pa.binary()), pa.array(counts), pa.array(checksums)]
+    if src is not None:
+        columns.append(("src_block", pa.int32()))
+        arrays.append(pa.array(src))
     summary = None
     if summaries is not None:
         summary = np.ascontiguousarray(summaries.float().cpu().numpy()).reshape(n, -1)
@@ -126,54 +171,87 @@ def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
         columns.append(("summary", tensor_type))
         arrays.append(_tensor_column(tensor_type, pa.array(summary.reshape(-1)),
                                      summary.shape[1]))
-    fields = {"transport": Transport.SHARED_MEMORY.value, "num_blocks": kv_caches[0].shape[1],
-              **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS},
-              "digest": _digest(counts, hashes, src, checksums, summary)}
+    fields = {"transport": transport.value, **fields,
+              "digest": _digest(counts, hashes, checksums, summary, src)}
     metadata = {**meta.metadata(), **{k.encode(): str(v).encode() for k, v in fields.items()}}
     return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(columns, metadata=metadata))
 
 
+@dataclass
+class Description:
+    """A received description, checked against its digest and this pool's layout."""
+
+    counts: np.ndarray
+    hashes: list[bytes | None]
+    checksums: np.ndarray
+    summary: np.ndarray | None   # [rows, summary values] fp32
+    src: np.ndarray | None
+
+    def summaries(self, batch: pa.RecordBatch) -> torch.Tensor | None:
+        if self.summary is None:
+            return None
+        return _read_only_tensor(self.summary).view(
+            batch.num_rows, *batch.schema.field("summary").type.shape)
+
+
+def read_description(batch: pa.RecordBatch, expected_meta: KVLayoutMeta,
+                     num_rows: int) -> Description:
+    """The description's rows, or KVTransferError when it does not fit this pool (its
+    layout, ``num_rows`` rows) or does not match its digest."""
+    received = batch.schema.metadata or {}
+    check_metadata(received, expected_meta)
+    if batch.num_rows != num_rows:
+        raise KVTransferError(f"KV description rows: received {batch.num_rows}, expected "
+                              f"{num_rows} (one per destination block)")
+    try:
+        d = Description(batch.column("num_tokens").to_numpy(),
+                        batch.column("block_hash").to_pylist(),
+                        batch.column("checksum").to_numpy(), None,
+                        batch.column("src_block").to_numpy()
+                        if "src_block" in batch.schema.names else None)
+    except (KeyError, pa.ArrowInvalid) as e:
+        raise KVTransferError(f"KV description: malformed ({e!r}); expected the columns "
+                              "describe() writes") from e
+    if "summary" in batch.schema.names:
+        d.summary = _values_view(batch.column("summary").storage.flatten()).reshape(
+            batch.num_rows, -1)
+    digest = _digest(d.counts, d.hashes, d.checksums, d.summary, d.src)
+    if received.get(b"digest") != digest.encode():
+        raise KVTransferError(f"KV description digest: received {received.get(b'digest')!r}, "
+                              f"computed {digest!r}: corrupted in transfer")
+    _check_token_counts(d.counts, expected_meta.block_size, error=KVTransferError)
+    return d
+
+
 def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                   dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta,
-                  peers: PeerSegments, host: HostRows | None = None) -> ImportedBlocks:
+                  peers: PeerSegments, checksums: BlockChecksums,
+                  host: HostRows | None = None) -> ImportedBlocks:
     """Copy the described blocks out of the sender's segment into ``dst_block_ids`` (and
-    the ``host`` rows into host-tier blocks), verifying each block as it lands.
+    the ``host`` rows into host-tier blocks), verifying each block as it lands, on
+    ``torch.get_num_threads()`` threads; the pool's ``checksums`` learn the verified ones.
 
     Everything but the payload is checked first; the payload is checked block by block.
     """
     _check_pool(kv_caches, expected_meta)
-    received = batch.schema.metadata or {}
-    check_metadata(received, expected_meta)
     num_host = len(host.block_ids) if host else 0
-    if batch.num_rows != len(dst_block_ids) + num_host:
-        raise KVTransferError(f"KV description rows: received {batch.num_rows}, expected "
-                              f"{len(dst_block_ids) + num_host} (one per destination block)")
+    d = read_description(batch, expected_meta, len(dst_block_ids) + num_host)
+    received = batch.schema.metadata or {}
     try:
-        counts = batch.column("num_tokens").to_numpy()
-        hashes = batch.column("block_hash").to_pylist()
-        src = batch.column("src_block").to_numpy()
-        checksums = batch.column("checksum").to_numpy()
         segment = SegmentHandle(*(int(received[f"segment_{k}".encode()])
                                   for k in _SEGMENT_FIELDS))
         src_blocks = int(received[b"num_blocks"])
-    except (KeyError, ValueError, pa.ArrowInvalid) as e:
-        raise KVTransferError(f"KV description: malformed ({e!r}); expected the columns and "
-                              "metadata export_shared writes") from e
-    summary = (_values_view(batch.column("summary").storage.flatten()).reshape(batch.num_rows, -1)
-               if "summary" in batch.schema.names else None)
-    digest = _digest(counts, hashes, src, checksums, summary)
-    if received.get(b"digest") != digest.encode():
-        raise KVTransferError(f"KV description digest: received {received.get(b'digest')!r}, "
-                              f"computed {digest!r}: corrupted in transfer")
-    _check_token_counts(counts, expected_meta.block_size, error=KVTransferError)
+    except (KeyError, ValueError) as e:
+        raise KVTransferError(f"KV description: no segment ({e!r}); expected the metadata "
+                              "export_shared writes") from e
+    src, sums = d.src, d.checksums
+    if src is None:
+        raise KVTransferError("KV description: no src_block column; expected the columns "
+                              "export_shared writes")
     if src.size and (src.min() < 0 or src.max() >= src_blocks):
         raise KVTransferError(f"KV description src_block: got {src.min()}..{src.max()}; "
                               f"expected ids in [0, {src_blocks})")
-    ids = np.asarray(dst_block_ids, dtype=np.int64)
-    num_blocks = kv_caches[0].shape[1]
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.unique(ids).size != ids.size):
-        raise ValueError(f"dst_block_ids: got {list(dst_block_ids)}; expected distinct ids "
-                         f"in [0, {num_blocks})")
+    ids = check_destination(kv_caches, dst_block_ids)
 
     dst = _slab_bytes(kv_caches)
     slab_bytes = dst.shape[2]
@@ -189,23 +267,24 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                                                                        src_blocks, slab_bytes)
     h0 = host.first_row if host else batch.num_rows
     pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows]
-    bad = copy_verified(source, src[pool_rows], dst, ids, checksums[pool_rows])
+    threads = torch.get_num_threads()
+    checksums.written(ids)   # from here on they hold part of a copy until it is verified
+    bad = copy_verified(source, src[pool_rows], dst, ids, sums[pool_rows], threads)
     if bad is None and host:
         host_bytes = host.kv.view(torch.uint8).numpy().reshape(dst.shape[0], -1, slab_bytes)
         rows = np.arange(h0, h0 + num_host)
-        bad = copy_verified(source, src[rows], host_bytes, host.block_ids, checksums[rows])
+        bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
+                            threads)
         bad = None if bad is None else int(rows[bad])
     elif bad is not None:
         bad = int(pool_rows[bad])
     if bad is not None:
         raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
-                              f"match checksum {checksums[bad]:#018x}: corrupted or "
+                              f"match checksum {sums[bad]:#018x}: corrupted or "
                               "overwritten in the sender's pool")
-    summaries = None
-    if summary is not None:
-        summaries = _read_only_tensor(summary).view(
-            batch.num_rows, *batch.schema.field("summary").type.shape)
-    return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
+    checksums.stored(ids, sums[pool_rows])
+    return ImportedBlocks([int(i) for i in ids], d.hashes, [int(c) for c in d.counts],
+                          d.summaries(batch))
 
 
 def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
@@ -217,12 +296,14 @@ def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
     return slabs.view(torch.uint8).numpy().reshape(2 * len(kv_caches), kv_caches[0].shape[1], -1)
 
 
-def _digest(counts: np.ndarray, hashes: Sequence[bytes | None], src: np.ndarray,
-            checksums: np.ndarray, summaries: np.ndarray | None) -> str:
+def _digest(counts: np.ndarray, hashes: Sequence[bytes | None], checksums: np.ndarray,
+            summaries: np.ndarray | None, src: np.ndarray | None) -> str:
     """BLAKE2b over the description's small columns (the checksums cover the payload)."""
     digest = hashlib.blake2b(digest_size=16)
-    for column in (counts.astype("<i4"), src.astype("<i4"), checksums.astype("<u8")):
+    for column in (counts.astype("<i4"), checksums.astype("<u8")):
         digest.update(column.tobytes())
+    if src is not None:
+        digest.update(src.astype("<i4").tobytes())
     for h in hashes:
         digest.update(b"\xff\xff\xff\xff" if h is None else len(h).to_bytes(4, "little") + h)
     if summaries is not None:

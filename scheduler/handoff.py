@@ -82,7 +82,7 @@ class Handoff:
                     stats.bytes += info.nbytes
                     stats.seconds += elapsed
                     stats.export_seconds += exported - start
-                    kind = info.transport.value
+                    kind = info.label
                     stats.transports[kind] = stats.transports.get(kind, 0) + 1
             return Outcome.MOVED
         except asyncio.TimeoutError:

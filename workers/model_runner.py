@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
+from kvcache.block_checksum import BlockChecksums
 from kvcache.config import CacheConfig
 from kvcache.kv_layout import LAYOUT_ND
 from kvcache.kv_quant import row_width
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
+from kvcache.kv_transport import pool_checksums
 from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import SharedSegment
 from scheduler.protocol import (
@@ -108,9 +110,13 @@ class ModelRunner:
         self.kv_segment = (SharedSegment(num_blocks * self.kv_shape.bytes_per_block)
                            if shared_pool and device.type == "cpu"
                            and self.kv_shape.layout == LAYOUT_ND else None)
+        # A pool peers copy from keeps each block's checksum, taken as the block is written
+        # (every write below tells it), so a handoff sends them without hashing its blocks.
+        self.kv_checksums: BlockChecksums | None = None
         if self.kv_segment is not None:
             self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
                                                self.kv_segment.buffer)
+            self.kv_checksums = pool_checksums(self.kv_caches)
         else:
             # Graphs' padding rows write into one extra block, never given to the scheduler.
             self.kv_caches = self.ops.allocate_kv(
@@ -169,6 +175,8 @@ class ModelRunner:
                                 "hold")
             state.tier = self._long_context().apply(state.tier, c, self.kv_caches,
                                                     state.block_ids)
+            if self.kv_checksums is not None:   # each step recalls host slices into them
+                self.kv_checksums.written(c.recall_block_ids)
 
     def _long_context(self) -> LongContextAttention:
         if self.long_context is None:
@@ -183,6 +191,8 @@ class ModelRunner:
             dst = torch.tensor([c[1] for c in copies], device=self.device)
             for kv in self.kv_caches:
                 kv[:, dst] = kv[:, src]
+            if self.kv_checksums is not None:
+                self.kv_checksums.copied(src.tolist(), dst.tolist())
         for f in forks:
             parent = self.seqs.get(f.parent_id)
             if parent is None:
@@ -241,6 +251,8 @@ class ModelRunner:
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                         meta, sparse)
+        if self.kv_checksums is not None:
+            self.kv_checksums.written_slots(meta.slot_mapping.numpy(), self.block_size)
         spans = [span for i, s in enumerate(scheduled) if (span := prompt_span(
             s.seq_id, s.state.token_ids, s.state.num_prompt_tokens,
             s.state.num_computed_tokens, s.num_tokens,

@@ -12,6 +12,7 @@ the scheduler decides what it runs.
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 from dataclasses import dataclass
 
@@ -20,7 +21,15 @@ import ray
 import torch
 
 from kvcache.config import CacheConfig
-from kvcache.kv_transfer import HostRows, ImportedBlocks, KVLayoutMeta, export_blocks, import_blocks
+from kvcache.device_transport import export_device, import_device
+from kvcache.kv_transfer import (
+    HostRows,
+    ImportedBlocks,
+    KVLayoutMeta,
+    KVTransferError,
+    export_blocks,
+    import_blocks,
+)
 from kvcache.kv_transport import (
     HandoffInfo,
     HandoffPlan,
@@ -28,8 +37,8 @@ from kvcache.kv_transport import (
     WorkerPlace,
     export_shared,
     import_shared,
-    is_shared,
     part_bounds,
+    transport_of,
 )
 from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import PeerSegments
@@ -55,6 +64,10 @@ class WorkerSpec:
     num_threads: int
     long_context: LongContextConfig | None = None
     quantization: str = "none"
+    # The Ray Direct Transport for device-to-device handoffs: None picks what the device
+    # has (``device_tensor_transport``), "" none; "nccl" or "gloo" need a collective
+    # group of the workers, made by whoever starts them.
+    tensor_transport: str | None = None
 
 
 @dataclass
@@ -91,8 +104,12 @@ class Worker:
         lc = self.runner.long_context
         segment = self.runner.kv_segment
         self.peers = PeerSegments()
+        transport = (device_tensor_transport(self.runner.device)
+                     if spec.tensor_transport is None else spec.tensor_transport or None)
         place = WorkerPlace(node_id or _node_id(), self.runner.kv_shape.bytes_per_block,
-                            segment.handle if segment else None)
+                            segment.handle if segment else None, transport)
+        # Rows a device-transport export gathered, until send_kv_rows hands them to Ray.
+        self._outgoing: dict[tuple[int, ...], torch.Tensor] = {}
         self.info_ = WorkerInfo(self.runner.num_blocks, self.runner.block_size, model_max,
                                 ckpt.fingerprint, sorted(eos), lc.host.num_blocks if lc else 0,
                                 place)
@@ -119,12 +136,20 @@ class Worker:
         summaries = lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1) if lc else None
         nbytes = len(block_ids) * self.runner.kv_shape.bytes_per_block
         if plan.transport is Transport.SHARED_MEMORY:
-            if self.runner.kv_segment is None:
+            segment, sums = self.runner.kv_segment, self.runner.kv_checksums
+            if segment is None or sums is None:
                 raise ValueError("plan: shared memory, but this worker's pool is not in a "
                                  "shared segment (a device pool); plan the object store")
             batches = [export_shared(self.runner.kv_caches, block_ids, block_hashes,
-                                     token_counts, self.meta, self.runner.kv_segment.handle,
-                                     summaries)]
+                                     token_counts, self.meta, segment.handle, sums, summaries)]
+        elif plan.transport is Transport.DEVICE:
+            def gather() -> tuple[pa.RecordBatch, torch.Tensor]:
+                return export_device(self.runner.kv_caches, block_ids, block_hashes,
+                                     token_counts, self.meta, summaries)
+
+            batch, rows = gather() if self.streams is None else self.streams.export(gather)
+            self._outgoing[tuple(block_ids)] = rows
+            batches = [batch]
         else:
             def copy(a: int, b: int) -> pa.RecordBatch:
                 return export_blocks(self.runner.kv_caches, block_ids[a:b], block_hashes[a:b],
@@ -134,7 +159,13 @@ class Worker:
             batches = [copy(a, b) if self.streams is None
                        else self.streams.export(lambda a=a, b=b: copy(a, b))
                        for a, b in part_bounds(len(block_ids), plan.parts)]
-        return (HandoffInfo(plan.transport, nbytes), *batches)
+        return (HandoffInfo(plan.transport, nbytes, plan.tensor_transport), *batches)
+
+    def send_kv_rows(self, block_ids: list[int]) -> torch.Tensor:
+        """The rows of a device-transport export of ``block_ids`` (called right after it,
+        with Ray's ``tensor_transport`` option: Ray keeps them here and moves them straight
+        into the receiver's device when the receiver's ``import_kv`` takes them)."""
+        return self._outgoing.pop(tuple(block_ids))
 
     def import_kv(self, batch: pa.RecordBatch, block_ids: list[int], host_first_row: int = 0,
                   host_block_ids: list[int] | None = None, *more: pa.RecordBatch) -> int:
@@ -146,6 +177,18 @@ class Worker:
         Raises ``KVTransferError`` when a batch does not fit this pool or a block fails its
         checksum (the pool's other blocks are untouched).
         """
+        return self._import((batch, *more), None, block_ids, host_first_row, host_block_ids)
+
+    def import_kv_device(self, batch: pa.RecordBatch, rows: torch.Tensor, block_ids: list[int],
+                         host_first_row: int = 0, host_block_ids: list[int] | None = None
+                         ) -> int:
+        """``import_kv`` of a device transport's description and its ``rows`` (passed by
+        position: Ray moves a ``tensor_transport`` argument only there)."""
+        return self._import((batch,), rows, block_ids, host_first_row, host_block_ids)
+
+    def _import(self, parts: tuple[pa.RecordBatch, ...], device_rows: torch.Tensor | None,
+                block_ids: list[int], host_first_row: int,
+                host_block_ids: list[int] | None) -> int:
         lc = self.runner.long_context
         host_ids = host_block_ids or []
         if host_ids and lc is None:
@@ -154,7 +197,7 @@ class Worker:
         pool_ids = list(block_ids)
         pool_ids[host_first_row:host_first_row] = [-1] * len(host_ids)   # row -> pool block
         imported, first = [], 0
-        for part in (batch, *more):
+        for part in parts:
             rows = range(first, first + part.num_rows)
             first += part.num_rows
             in_host = [r for r in rows if host_first_row <= r < host_first_row + len(host_ids)]
@@ -162,15 +205,30 @@ class Worker:
                              host_ids[in_host[0] - host_first_row:in_host[-1] - host_first_row + 1],
                              lc.host.kv) if in_host else None)
             ids = [pool_ids[r] for r in rows if r < len(pool_ids) and pool_ids[r] >= 0]
-            if is_shared(part):
+            sums = self.runner.kv_checksums
+            kind = transport_of(part)
+            if kind is Transport.SHARED_MEMORY:
+                if sums is None:
+                    raise ValueError("KV handoff: a shared-memory description, but this "
+                                     "worker's pool is not in a shared segment (a device "
+                                     "pool); plan the object store")
                 imported.append(import_shared(part, self.runner.kv_caches, ids, self.meta,
-                                              self.peers, host))
-            elif self.streams is None:
-                imported.append(import_blocks(part, self.runner.kv_caches, ids, self.meta, host))
+                                              self.peers, sums, host))
+                continue
+            if kind is Transport.DEVICE:
+                if device_rows is None:
+                    raise KVTransferError("KV handoff: a device-transport description came "
+                                          "without its rows")
+
+                def copy(part=part, ids=ids, host=host) -> ImportedBlocks:
+                    return import_device(part, device_rows, self.runner.kv_caches, ids,
+                                         self.meta, host)
             else:
-                imported.append(self.streams.import_(
-                    lambda part=part, ids=ids, host=host: import_blocks(
-                        part, self.runner.kv_caches, ids, self.meta, host), ids))
+                def copy(part=part, ids=ids, host=host) -> ImportedBlocks:
+                    return import_blocks(part, self.runner.kv_caches, ids, self.meta, host)
+            imported.append(copy() if self.streams is None else self.streams.import_(copy, ids))
+            if sums is not None:   # hashed if ever exported again, not on this path
+                sums.written(ids)
         if lc is not None:
             if self.streams is not None:  # the summaries read the imported blocks
                 self.streams.before_step(block_ids)
@@ -180,6 +238,20 @@ class Worker:
 
     def ping(self) -> str:
         return self.role.value
+
+
+def device_tensor_transport(device: torch.device) -> str | None:
+    """The Ray Direct Transport a worker on ``device`` uses with no other word: NIXL on
+    CUDA when its package is installed (it needs no collective group), on an NPU the
+    transport Ascend's Ray integration registered for it, else None (host paths)."""
+    if device.type == "cuda":
+        return "nixl" if importlib.util.find_spec("nixl") is not None else None
+    if device.type == "npu":
+        from ray.experimental.rdt.util import transport_manager_info
+
+        return next((name.lower() for name, info in transport_manager_info.items()
+                     if "npu" in info.devices), None)
+    return None
 
 
 def _node_id() -> str:

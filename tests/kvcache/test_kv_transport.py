@@ -28,6 +28,7 @@ from kvcache.kv_transport import (
     import_shared,
     part_bounds,
     plan_handoff,
+    pool_checksums,
 )
 from kvcache.shm_segment import PeerSegments, SegmentHandle, SharedSegment
 from tests.kvcache.test_kv_transfer import (
@@ -60,10 +61,11 @@ def test_shared_memory_handoff_is_bit_exact(dtype, shape):
     seg, src = shared_pool(meta, 8, seed=1)
     _, dst = shared_pool(meta, 8, seed=2)
     src_ids, dst_ids = [5, 0, 7, 2], [3, 6, 1, 4]
-    batch = export_shared(src, src_ids, *seq_blocks(meta, 4), meta, seg.handle)
+    batch = export_shared(src, src_ids, *seq_blocks(meta, 4), meta, seg.handle,
+                          pool_checksums(src))
     assert "kv" not in batch.schema.names   # a description: the bytes never leave the pool
     before = snapshot(dst)
-    got = import_shared(batch, dst, dst_ids, meta, PeerSegments())
+    got = import_shared(batch, dst, dst_ids, meta, PeerSegments(), pool_checksums(dst))
     assert_blocks_equal(dst, dst_ids, src, src_ids)
     assert_blocks_equal(dst, [0, 2, 5, 7], before, [0, 2, 5, 7])
     assert got.block_ids == dst_ids and got.token_counts == seq_blocks(meta, 4)[1]
@@ -79,8 +81,9 @@ def test_partial_handoff_completes_the_prefix_the_receiver_holds():
     for d_layer, s_layer in zip(dst, src):
         d_layer[:, seq_dst[:2]] = s_layer[:, seq_src[:2]]
     hashes, counts = seq_blocks(meta, 5)
-    batch = export_shared(src, seq_src[2:], hashes[2:], counts[2:], meta, seg.handle)
-    import_shared(batch, dst, seq_dst[2:], meta, PeerSegments())
+    batch = export_shared(src, seq_src[2:], hashes[2:], counts[2:], meta, seg.handle,
+                          pool_checksums(src))
+    import_shared(batch, dst, seq_dst[2:], meta, PeerSegments(), pool_checksums(dst))
     assert_blocks_equal(dst, seq_dst, src, seq_src)
 
 
@@ -90,10 +93,10 @@ def test_host_rows_and_summaries_arrive_bit_exact():
     _, dst = shared_pool(meta, 8, seed=6)
     summaries = torch.randn(5, meta.num_layers, 2, meta.num_kv_heads, meta.head_dim)
     batch = export_shared(src, [6, 1, 4, 0, 3], *seq_blocks(meta, 5), meta, seg.handle,
-                          summaries)
+                          pool_checksums(src), summaries)
     host_kv = torch.zeros(meta.num_layers, 2, 4, meta.block_size, meta.num_kv_heads,
                           meta.head_dim, dtype=torch.float16)
-    got = import_shared(batch, dst, [5, 2, 7], meta, PeerSegments(),
+    got = import_shared(batch, dst, [5, 2, 7], meta, PeerSegments(), pool_checksums(dst),
                         HostRows(1, [3, 0], host_kv))
     assert torch.equal(got.summaries, summaries)
     assert_blocks_equal(dst, [5, 2, 7], src, [6, 0, 3])
@@ -121,7 +124,8 @@ def test_a_byte_flipped_in_the_senders_pool_after_export_is_refused(where):
     seg, src = shared_pool(meta, 8, seed=8)
     _, dst = shared_pool(meta, 8, seed=9)
     src_ids = [2, 5, 1]
-    batch = export_shared(src, src_ids, *seq_blocks(meta, 3), meta, seg.handle)
+    batch = export_shared(src, src_ids, *seq_blocks(meta, 3), meta, seg.handle,
+                          pool_checksums(src))
     row = {"first": 0, "middle": 1, "last": 2}[where]
     victim = src[meta.num_layers - 1][1, src_ids[row]].view(torch.uint8).view(-1)
     victim[-1] ^= 0x10   # V of the last layer, the last byte of the block
@@ -129,7 +133,7 @@ def test_a_byte_flipped_in_the_senders_pool_after_export_is_refused(where):
     before = snapshot(dst)
     with pytest.raises(KVTransferError, match=rf"KV block {row} \(sender block "
                                                rf"{src_ids[row]}\).*checksum"):
-        import_shared(batch, dst, [3, 6, 0], meta, PeerSegments())
+        import_shared(batch, dst, [3, 6, 0], meta, PeerSegments(), pool_checksums(dst))
     assert_blocks_equal(dst, others, before, others)
 
 
@@ -138,10 +142,11 @@ def test_a_description_for_another_pool_is_refused_untouched():
     seg, src = shared_pool(meta, 4, seed=10)
     other = make_meta(torch.float32)
     _, dst = shared_pool(other, 4, seed=11)
-    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle)
+    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle,
+                          pool_checksums(src))
     before = snapshot(dst)
     with pytest.raises(KVTransferError, match="dtype"):
-        import_shared(batch, dst, [2, 3], other, PeerSegments())
+        import_shared(batch, dst, [2, 3], other, PeerSegments(), pool_checksums(dst))
     assert_untouched(dst, before)
 
 
@@ -150,7 +155,7 @@ _SENDER = textwrap.dedent("""
     import numpy as np, torch
     from kvcache.kv_tensors import KVShape, allocate_kv_cache
     from kvcache.kv_transfer import to_ipc_bytes
-    from kvcache.kv_transport import export_shared
+    from kvcache.kv_transport import export_shared, pool_checksums
     from tests.kvcache.test_kv_transfer import make_meta, seq_blocks
     meta = make_meta(torch.float16)
     shape = KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads, meta.head_dim,
@@ -160,7 +165,8 @@ _SENDER = textwrap.dedent("""
     seg.buffer[:] = np.random.default_rng(12).integers(
         0, 256, seg.handle.nbytes, dtype=np.uint8).tobytes()
     pool = allocate_kv_cache(shape, 8, torch.device("cpu"), seg.buffer)
-    batch = export_shared(pool, [6, 2, 4], *seq_blocks(meta, 3), meta, seg.handle)
+    batch = export_shared(pool, [6, 2, 4], *seq_blocks(meta, 3), meta, seg.handle,
+                          pool_checksums(pool))
     open(sys.argv[1], "wb").write(to_ipc_bytes(batch))
     print("ready", flush=True)
     time.sleep(600)
@@ -212,7 +218,7 @@ def test_a_sender_killed_mid_handoff_leaves_a_consistent_receiver_and_no_segment
     assert_blocks_equal(dst, [1, 7, 3], src, [6, 2, 4])
     before = snapshot(dst)
     with pytest.raises(KVTransferError, match="cannot open.*owner has exited"):
-        import_shared(batch, dst, [0, 2, 5], meta, peers)
+        import_shared(batch, dst, [0, 2, 5], meta, peers, pool_checksums(dst))
     assert_untouched(dst, before)
     assert len(peers) == 0   # pruned by that handoff; unmapped when the copy lets go
     del source

@@ -98,7 +98,9 @@ def test_npu_workers_ask_ray_for_one_npu():
 
     pool = WorkerPoolConfig(role="decode", resources={"CPU": 2})
     assert worker_options(pool, "npu") == {"num_cpus": 2, "num_gpus": 0, "max_restarts": 0,
-                                           "resources": {"NPU": 1.0}}
+                                           "resources": {"NPU": 1.0},
+                                           "enable_tensor_transport": True}
     assert "resources" not in worker_options(pool, "cpu")
+    assert "enable_tensor_transport" not in worker_options(pool, "cpu")
     two = WorkerPoolConfig(role="decode", resources={"CPU": 2, "NPU": 2})
     assert worker_options(two, "npu")["resources"] == {"NPU": 2}
