@@ -35,7 +35,7 @@ from cluster.ray_worker import RayWorkerHandle
 from cluster.resumable import RESUME_TIMEOUT_S, Resumable, ResumeBook, reattach
 from scheduler.client_leases import ClientExpiredError
 from scheduler.config import CellConfig
-from scheduler.global_scheduler import Updates
+from scheduler.request_book import Updates
 from scheduler.protocol import SamplingParams
 from scheduler.sequence import SeqUpdate, child_seq_id
 from scheduler.stats import CellStats
