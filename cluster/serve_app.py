@@ -28,7 +28,8 @@ from starlette.exceptions import HTTPException
 
 from cluster import metrics, openai_tokenize, readiness
 from cluster.client_errors import REQUEST_ID_HEADER, client_error, unavailable
-from cluster.cluster_engine import ClusterClient, ClusterEngine, RequestStream
+from cluster.cluster_client import ClusterClient, RequestStream
+from cluster.cluster_engine import ClusterEngine
 from cluster.config import (
     ConfigError,
     EngineConfig,
