@@ -149,7 +149,7 @@ def _pid(actor: Any) -> int:
 def scheduler_actor(cluster: str) -> Any:
     import ray
 
-    from cluster.cluster_engine import NAMESPACE, scheduler_name
+    from cluster.scheduler_actor import NAMESPACE, scheduler_name
 
     return ray.get_actor(scheduler_name(cluster), namespace=NAMESPACE)
 

@@ -18,6 +18,7 @@ from scheduler.config import CellConfig
 from scheduler.global_scheduler import GlobalScheduler
 from scheduler.worker_handle import WorkerRef
 
+NAMESPACE = "llm-cluster"  # where the named schedulers live, whatever the driver's namespace
 OPTIONS: dict[str, Any] = {"lifetime": "detached", "num_cpus": 0, "max_concurrency": 10_000,
                            "max_restarts": -1, "max_task_retries": 0}
 
@@ -26,6 +27,11 @@ class SchedulerActor(GlobalScheduler):
     def __init__(self, workers: list[WorkerRef], config: CellConfig) -> None:
         restarted = ray.get_runtime_context().was_current_actor_reconstructed
         super().__init__([] if restarted else workers, config, recovering=restarted)
+
+
+def scheduler_name(cluster_name: str) -> str:
+    """The name the scheduler of the cell ``cluster_name`` goes by in ``NAMESPACE``."""
+    return f"llm-scheduler-{cluster_name}"
 
 
 def launch(name: str, namespace: str, workers: list[WorkerRef], config: CellConfig) -> Any:

@@ -8,8 +8,8 @@ worker moves to a decode worker by KV ``handoff``, through the transport the two
 workers share (``kvcache.kv_transport``: shared memory on one node, else the Ray object
 store). A lost worker's sequences, and any failed, refused or timed-out transfer, are
 recomputed from the prompt plus the tokens already produced, so callers never see
-repeated text. Request-level serving totals (``serving_stats``) are kept here, where
-every request passes, for the cell's metrics.
+repeated text. What callers see of their requests (news, long-polls, client leases,
+request-level figures) is ``request_book``'s.
 
 The class is plain asyncio; ``cluster`` runs it as a named, detached async Ray actor
 that Ray restarts when its process dies. A restarted scheduler knows no request: it
@@ -23,30 +23,24 @@ holds no tensor and no actor: workers are reached only through ``WorkerHandle``s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from scheduler.cell_worker import CellWorker
-from scheduler.client_leases import ClientLeases
 from scheduler.config import CellConfig
 from scheduler.handoff import Handoff, Outcome
 from scheduler.placement import decode_target, place_prompt
 from scheduler.protocol import Role, SamplingParams, StepOutput, decode, encode
+from scheduler.request_book import Request, RequestBook, Updates
 from scheduler.sequence import SeqStatus, Sequence, SeqUpdate
-from scheduler.serving_stats import RequestTimes, ServingStats
-from scheduler.stats import CellStats, LatencyWindow, PoolReport, WorkerState
+from scheduler.stats import CellStats, PoolReport, WorkerState
 from scheduler.worker_handle import WorkerLostError, WorkerRef
 
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.5  # an idle loop re-plans (and pings its worker) at least this often
 _PING_TIMEOUT_S = 30.0
-
-Updates = dict[str, tuple[list[SeqUpdate], bool, Exception | None]]
 
 
 class OverloadedError(RuntimeError):
@@ -55,16 +49,6 @@ class OverloadedError(RuntimeError):
 
 class NoWorkersError(RuntimeError):
     """No live worker is left to run a request."""
-
-
-@dataclass(eq=False)
-class _Request:
-    seq: Sequence
-    worker: CellWorker | None   # None while its KV is being handed over
-    updates: list[SeqUpdate] = field(default_factory=list)
-    times: RequestTimes = field(default_factory=lambda: RequestTimes(time.monotonic()))
-    done: bool = False
-    error: Exception | None = None   # raised to the caller instead of an output
 
 
 class GlobalScheduler:
@@ -76,17 +60,16 @@ class GlobalScheduler:
         self.config = config
         self.recovering = recovering
         self.workers = [CellWorker.join(w, config) for w in workers]
-        self.requests: dict[str, _Request] = {}
-        self.clients: dict[str, set[str]] = {}   # client -> its requests still known
-        self.leases = ClientLeases(config.client_lease_s)
+        self.book = RequestBook(config.client_lease_s)
         self.num_recovered = 0
         self.num_migrated = 0
-        self.ttft = LatencyWindow()
-        self.tpot = LatencyWindow()
         self.pools: list[PoolReport] = []
-        self.serving = ServingStats()
-        self._pulse = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Every request not yet returned finished, by id (the book's)."""
+        return self.book.requests
 
     # ---- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -116,7 +99,7 @@ class GlobalScheduler:
             self._spawn(self._reap_clients())
         self.recovering = False
         log.info("adopted %d workers; serving again", len(self.workers))
-        self._notify()
+        self.book.notify()
 
     async def add_worker(self, ref: WorkerRef) -> None:
         """A worker joins the running cell and takes work from its first step on."""
@@ -127,7 +110,7 @@ class GlobalScheduler:
         self.workers.append(w)
         self._spawn(self._loop(w))
         log.info("worker %s (%s) joined with %d blocks", w.worker_id, w.role, ref.num_blocks)
-        self._notify()
+        self.book.notify()
 
     async def drain(self, worker_id: str) -> WorkerState:
         """Take a worker out of the cell without failing anything: it takes no new work,
@@ -170,7 +153,8 @@ class GlobalScheduler:
         """Queue one choice (``sample_index``) of a request, or raise ``OverloadedError``
         at once when the queue is full. ``client`` names the caller for
         ``get_client_updates``. A request of n choices is n submissions (see
-        ``cluster.choices``), each placed, handed off and migrated on its own.
+        ``cluster.cluster_client.ClusterClient``), each placed, handed off and migrated
+        on its own.
         ``generated``: the tokens its caller already has (a request resumed after the
         scheduler was lost); it goes on from them."""
         if params.n != 1:
@@ -192,77 +176,40 @@ class GlobalScheduler:
             raise NoWorkersError("no live worker is left in this cluster; restart it")
         w.batch.add(request_id, prompt_token_ids, params, priority, sample_index,
                     generated or ())
-        self.requests[request_id] = _Request(w.batch.seqs[request_id], w)
-        if client is not None:
-            self.clients.setdefault(client, set()).add(request_id)
-            self.leases.touch(client)
+        self.book.add(request_id, w.batch.seqs[request_id], w, client)
         w.wake.set()
 
     async def get_updates(self, request_ids: list[str], timeout_s: float = 1.0) -> Updates:
         """Wait until one of the requests has news (or the timeout); returns, per request
         with news, (token updates since the last call, finished, the error that ended
         it). A finished request is forgotten once returned."""
-        return await self._wait_updates(lambda: request_ids, timeout_s)
+        return await self.book.wait(lambda: request_ids, timeout_s)
 
     async def get_client_updates(self, client: str, timeout_s: float = 1.0) -> Updates:
         """``get_updates`` over every live request submitted with ``client``, so one
         long-poll serves all the streams of a router replica, those submitted while
         it waits included. Raises ``ClientExpiredError`` to a client whose lease ran
         out (see ``client_leases``)."""
-        self.leases.begin_poll(client)
-        try:
-            return await self._wait_updates(lambda: self._client_requests(client), timeout_s)
-        finally:
-            self.leases.end_poll(client)
+        return await self.book.wait_client(client, timeout_s)
 
     async def _reap_clients(self) -> None:
         """Abort the requests of clients that are gone (a dead router replica's)."""
+        lease_s = self.book.leases.lease_s
         while True:
-            await asyncio.sleep(self.leases.lease_s / 4)
-            for client in self.leases.expire(sorted(self.clients)):
-                rids = self._client_requests(client)
-                self.clients.pop(client, None)
+            await asyncio.sleep(lease_s / 4)
+            for client, rids in self.book.expire_clients().items():
                 log.warning("client %s is gone (no poll for %.0f s): aborting its %d "
-                            "requests", client, self.leases.lease_s, len(rids))
+                            "requests", client, lease_s, len(rids))
                 for rid in rids:
                     await self.abort(rid)
-
-    def _client_requests(self, client: str) -> list[str]:
-        live = {rid for rid in self.clients.pop(client, ()) if rid in self.requests}
-        if live:
-            self.clients[client] = live
-        return sorted(live)
-
-    async def _wait_updates(self, request_ids: Callable[[], list[str]],
-                            timeout_s: float) -> Updates:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            ready = {}
-            for rid in request_ids():
-                req = self.requests.get(rid)
-                if req is None:
-                    ready[rid] = ([], True, KeyError(f"unknown request id {rid!r}: never "
-                                                     "submitted, or already finished"))
-                elif req.updates or req.done:
-                    ready[rid] = (req.updates, req.done, req.error)
-                    req.updates = []
-                    if req.done:
-                        del self.requests[rid]
-            left = deadline - time.monotonic()
-            if ready or left <= 0:
-                return ready
-            pulse = self._pulse
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(pulse.wait(), left)
 
     async def abort(self, request_id: str, reason: str = "abort") -> list[SeqUpdate]:
         """Finish a request now and free its blocks wherever they are; returns its
         final update. Aborting an unknown or finished request is a no-op. ``reason``
         is what the metrics count it as: ``stop`` when the caller matched a stop string."""
-        req = self.requests.pop(request_id, None)
-        if req is None or req.done:
+        req = self.book.abort(request_id, reason)
+        if req is None:
             return []
-        self.serving.finish(req.times, reason, time.monotonic())
         if req.worker is not None:
             req.worker.wake.set()
             return req.worker.batch.abort(request_id)
@@ -274,7 +221,7 @@ class GlobalScheduler:
 
     async def record_error(self, kind: str) -> None:
         """Count a request a router refused (by error kind), for the cell's metrics."""
-        self.serving.error(kind)
+        self.book.serving.error(kind)
 
     async def stats(self) -> CellStats:
         """Per-worker pool, queue, step-time, prefix-cache, preemption and transfer
@@ -283,8 +230,9 @@ class GlobalScheduler:
                          sum(w.batch.num_waiting for w in self.workers if w.alive),
                          sum(1 for r in self.requests.values() if r.worker is None),
                          self.num_recovered, self.num_migrated,
-                         self.ttft.mean(time.monotonic()), self.tpot.mean(time.monotonic()),
-                         list(self.pools), copy.deepcopy(self.serving), self.recovering)
+                         self.book.ttft.mean(time.monotonic()),
+                         self.book.tpot.mean(time.monotonic()), list(self.pools),
+                         copy.deepcopy(self.book.serving), self.recovering)
 
     async def settings(self) -> CellConfig:
         """The cell's settings (what a new owner of the running cell goes by)."""
@@ -329,7 +277,7 @@ class GlobalScheduler:
             t2 = time.perf_counter()
             output = decode(StepOutput, reply)
             updates = w.batch.update(output)
-            self._publish(updates)
+            self.book.publish(updates)
             if w.role is Role.PREFILL:
                 for u in updates:   # a prompt's first token: its KV moves on
                     if u.new_token_ids and u.finish_reason is None and u.seq_id in w.batch.seqs:
@@ -345,30 +293,6 @@ class GlobalScheduler:
             t.update_s += t3 - t2
             t.last_step_s = t3 - t0
 
-    def _publish(self, updates: list[SeqUpdate]) -> None:
-        now = time.monotonic()
-        for u in updates:
-            req = self.requests.get(u.request_id)
-            if req is None:
-                continue
-            req.updates.append(u)
-            if u.new_token_ids:
-                t = req.times
-                if t.last_token is None:
-                    self.ttft.add(now, now - t.arrival)
-                else:
-                    self.tpot.add(now, (now - t.last_token) / len(u.new_token_ids))
-                self.serving.tokens(t, req.seq.num_prompt_tokens, len(u.new_token_ids), now)
-            if u.finish_reason is not None:
-                req.done = True
-                self.serving.finish(req.times, u.finish_reason, now)
-        if updates:
-            self._notify()
-
-    def _notify(self) -> None:
-        self._pulse.set()
-        self._pulse = asyncio.Event()
-
     # ---- recovery ------------------------------------------------------------------
     def _recompute(self, seq: Sequence, target: CellWorker | None = None) -> None:
         """Queue a sequence for recomputation on ``target`` (else where placement says),
@@ -383,7 +307,7 @@ class GlobalScheduler:
             req.done = True
             req.error = NoWorkersError("no live worker is left in this cluster to run the "
                                        "request; restart the cluster")
-            self._notify()
+            self.book.notify()
             return
         target.batch.adopt(seq, computed=False)
         req.worker = target
@@ -406,7 +330,7 @@ class GlobalScheduler:
                     req.done = True
                     req.error = NoWorkersError("every worker of this cluster is lost; "
                                                "restart the cluster")
-            self._notify()
+            self.book.notify()
 
     # ---- KV handoff ------------------------------------------------------------------
     def _start_handoff(self, src: CellWorker, seq: Sequence, migration: bool = False) -> None:

@@ -27,7 +27,7 @@ def dead_scheduler(ray_instance, free_ports, tiny_factory) -> Iterator[str]:
     import ray
     from ray import serve
 
-    from cluster.cluster_engine import NAMESPACE, scheduler_name
+    from cluster.scheduler_actor import NAMESPACE, scheduler_name
     from cluster.serve_app import app_for
 
     (port,) = free_ports(1)

@@ -114,8 +114,8 @@ def test_a_cell_really_gone_is_relaunched_and_the_routers_find_it(server, undist
     import ray
 
     from benchmarks.control_plane_loss import scheduler_actor
-    from cluster.cluster_engine import NAMESPACE
     from cluster.pools import worker_name
+    from cluster.scheduler_actor import NAMESPACE
 
     url, model = server
     cells = replicas(APP, "LLMCell")

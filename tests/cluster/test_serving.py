@@ -124,7 +124,7 @@ def test_n_3_with_a_seed_gives_the_same_choices_offline_on_the_cluster_and_over_
     submits each as a request of its own, the HTTP router streams each apart."""
     import asyncio
 
-    from cluster.cluster_engine import ClusterClient
+    from cluster.cluster_client import ClusterClient
 
     prompt = "Once upon a time"
     params = SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=16)
