@@ -56,18 +56,31 @@ def test_w8a8_is_the_exact_int32_product_rescaled(ops, rows):
 
 @pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
-def test_w8a16_is_the_dequantized_weights_product(ops, rows):
+@pytest.mark.parametrize("inp,group", [(96, 96), (192, 64)], ids=["per-channel", "groups"])
+def test_w8a16_is_the_dequantized_weights_product(ops, rows, inp, group):
     """Both the small-batch kernel (<= 16 rows) and the blocked path (more rows, more
-    than one block of output channels)."""
-    x, w, bias = inputs(rows, seed=100 + rows, out=600)
+    than one block of output channels); a width that 64 divides gets a scale per 64
+    input columns of each channel (96 does not: one per channel)."""
+    x, w, bias = inputs(rows, seed=100 + rows, out=600, inp=inp)
     packed = ops.pack_linear(w, "w8a16")
-    qw, sw = symmetric_int8(w)
-    expected = x.double() @ (qw.double() * sw[:, None]).T + bias.double()
-    got = ops.linear(x.view(1, rows, 96), packed, bias)
+    qw, sw = symmetric_int8(w.reshape(-1, group))
+    dequant = (qw.double() * sw[:, None]).reshape(600, inp)
+    expected = x.double() @ dequant.T + bias.double()
+    got = ops.linear(x.view(1, rows, inp), packed, bias)
     assert got.shape == (1, rows, 600)
     # fp32 accumulation: errors relative to each row's size (rows span 4 decades).
     rel = (got[0].double() - expected).abs() / expected.abs().amax(dim=1, keepdim=True)
     assert rel.max() < 1e-5
+
+
+def test_group_scales_are_only_for_w8a16():
+    q = torch.zeros(4, 128, dtype=torch.int8)
+    assert Int8Weight.from_int8("w8a16", q, torch.ones(4, 2)).scale.shape == (4, 2)
+    assert Int8Weight.from_int8("w8a8", q, torch.ones(4, 1)).scale.shape == (4,)
+    with pytest.raises(ValueError, match=r"got shape \(4, 2\) for a weight \[4, 128\]"):
+        Int8Weight.from_int8("w8a8", q, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="groups dividing the input width"):
+        Int8Weight.from_int8("w8a16", q, torch.ones(4, 3))
 
 
 def test_pre_quantized_weights_are_used_as_stored():
@@ -77,7 +90,7 @@ def test_pre_quantized_weights_are_used_as_stored():
     ops = TorchOps()
     assert ops.pack_linear(given) is given
     torch.testing.assert_close(ops.linear(x, given), ops.linear(x, ops.pack_linear(w, "w8a8")))
-    with pytest.raises(ValueError, match="one per channel"):
+    with pytest.raises(ValueError, match="expected one per channel"):
         Int8Weight.from_int8("w8a8", qw.to(torch.int8), sw[:3].float())
 
 
