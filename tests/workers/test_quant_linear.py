@@ -121,3 +121,20 @@ def test_a_worker_quantizes_its_decoder_layers_not_its_lm_head(tiny_factory, qua
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
         assert w.choice.kind == quantization   # CPU ops: int8 weights, kernel chosen
     assert model.lm_head.choice.kind == "fp32"
+
+
+def test_the_fused_per_token_quantization_equals_the_torch_definition():
+    """The CPU ops' one-pass kernel gives quantize_rows' int8 values and scales bit for
+    bit: zero rows, values on a rounding tie (x / scale = k + 0.5), rows of any count."""
+    all_ops()
+    from workers.ops.quant_linear import quantize_rows
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(37, 96, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+    x[4] = 0
+    x[5, :3] = torch.tensor([127.0, 0.5, -2.5])   # scale 1: ties at 0.5 and -2.5
+    x[5, 3:] = 0
+    q, s = torch.ops.llm_cluster.quantize_rows_int8(x)
+    want_q, want_s = quantize_rows(x)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    assert q[5, :3].tolist() == [127, 0, -2]

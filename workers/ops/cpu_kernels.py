@@ -109,7 +109,7 @@ class CpuOps(TorchOps):
     def linear_candidates(self, weight: torch.Tensor | Int8Weight) -> list[LinearImpl]:
         """The implementations that compute this weight's product here."""
         if isinstance(weight, Int8Weight) and weight.scheme == "w8a8":
-            return [LinearImpl("int8-mm", _as_is, w8a8_linear)]
+            return [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant)]
         if isinstance(weight, Int8Weight):
             return [LinearImpl("int8-kernel", _as_is, _w8a16_kernel,
                                max_rows=W8A16_KERNEL_ROWS),
@@ -176,6 +176,19 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``w8a8_linear`` with its per-token quantization in one C++ pass (fp32 rows)."""
+    if x.dtype != torch.float32:
+        return w8a8_linear(x, weight, bias)
+    shape = x.shape
+    qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, shape[-1]).contiguous())
+    out = torch._int_mm(qx, weight.qweight_t).float().mul_(sx[:, None]).mul_(weight.scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*shape[:-1], weight.out_features)
 
 
 def _w8a16_kernel(x: torch.Tensor, weight: Int8Weight,

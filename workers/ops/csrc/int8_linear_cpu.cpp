@@ -8,12 +8,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
 
 namespace {
 
 constexpr int64_t kChannelGrain = 16;  // output channels per parallel task
 constexpr int64_t kMaxRows = 16;       // activation rows one pass serves
+constexpr int64_t kRowGrain = 16;      // activation rows per parallel quantization task
 
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
                               const at::Tensor& scale) {
@@ -57,12 +61,45 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
+// W8A8's per-token activation quantization in one pass per row: scale = amax / 127
+// (1 for an all-zero row), q = round-half-even(x / scale), as quant_linear.quantize_rows
+// computes it with five torch ops (each its own pass and, past a size, its own
+// parallel region).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "quantize_rows_int8: x must be contiguous float32 [rows, cols]");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto q = at::empty({rows, cols}, x.options().dtype(at::kChar));
+  auto scale = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * cols;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t k = 0; k < cols; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      sp[r] = s;
+      int8_t* qr = qp + r * cols;
+      for (int64_t k = 0; k < cols; ++k) {
+        const float v = std::nearbyint(xr[k] / s);
+        qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+      }
+    }
+  });
+  return {q, scale};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("int8_weight_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
+  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("int8_weight_linear", &int8_weight_linear);
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
 }
