@@ -8,9 +8,11 @@ Decode: one request at a time, a short prompt and ``--tokens`` greedy tokens (EO
 ignored), so the time is the decode steps; every configuration runs once per round, in
 rotating order, for ``--rounds`` rounds in one process on the same prompt; the median
 round is reported with its ratio to llama.cpp. Workload A: ``--requests`` requests of
-``benchmarks.workloads.WORKLOAD_A`` (seed 0) submitted at once, prefix caching off, the
-two engines alternating for ``--rounds`` rounds. Capacity: the KV blocks the engine
-allocates in ``--kv-bytes``, from its own pool sizing.
+``benchmarks.workloads.WORKLOAD_A`` (seed 0) submitted at once, prefix caching off,
+through the engine with fp32 + fp16 KV and with w8a8 + int8 KV, each with the fraction
+of its linear-layer roofline (``benchmarks.roofline``: the same linear layers, int8 for
+w8a8, timed alone at the step sizes the run had), and HF ``generate``. Capacity: the
+KV blocks the engine allocates in ``--kv-bytes``, from its own pool sizing.
 
     python -m cluster bench quantization [--tokens 64] [--rounds 3] [--requests 64]
 """
@@ -25,10 +27,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from benchmarks.peers import llama_cpp
-from benchmarks.peers.common import NUM_THREADS, default_hf_dir
+from benchmarks.peers.common import NUM_THREADS, PeerResult, default_hf_dir
 from cluster import LLM, SamplingParams
 
 PARTS = ("decode", "workload-a", "capacity")
+HF_BATCH = 64   # HF generate's static batch size (the offline benchmark's)
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -86,30 +89,25 @@ def decode_speeds(tokens: int, rounds: int) -> dict[str, list[float]]:
     return speeds
 
 
-def workload_a_speeds(requests: int, rounds: int) -> dict[str, list[float]]:
-    """Output tokens/s of Workload A, per round, for fp32 + fp16 KV and w8a8 + int8 KV."""
+def workload_a(requests: int) -> dict[str, PeerResult]:
+    """Workload A through the engine with fp32 + fp16 KV, then w8a8 + int8 KV (each with
+    its linear-layer roofline, timed after its run), then HF ``generate`` in static
+    batches of 64: one process, the same prompts."""
     import json
 
+    from benchmarks.peers import engine, hf_static
     from benchmarks.workloads import WORKLOAD_A, generate
 
     vocab = json.loads((default_hf_dir() / "config.json").read_text())["vocab_size"]
     work = generate(WORKLOAD_A, requests, 0, vocab)
-    inputs = [{"prompt_token_ids": p} for p in work.prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in work.max_tokens]
-    engines = {label: LLM(device="cpu", enable_prefix_caching=False, kv_cache_dtype=kv,
-                          quantization=q)
-               for label, q, kv in (("fp32, fp16 KV", "none", "float16"),
-                                    ("w8a8, int8 KV", "w8a8", "int8"))}
-    speeds: dict[str, list[float]] = {label: [] for label in engines}
-    names = list(engines)
-    for r in range(rounds):
-        for name in names[r % 2:] + names[:r % 2]:
-            start = time.perf_counter()
-            outs = engines[name].generate(inputs, params)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            speeds[name].append(tokens / (time.perf_counter() - start))
-    return speeds
+    p, m = work.prompts, work.max_tokens
+    return {
+        "engine fp32, fp16 KV": engine.run(p, m, None, enable_prefix_caching=False,
+                                           kv_cache_dtype="float16"),
+        "engine w8a8, int8 KV": engine.run(p, m, None, enable_prefix_caching=False,
+                                           kv_cache_dtype="int8", quantization="w8a8"),
+        "HF generate fp32": hf_static.run(p, m, HF_BATCH),
+    }
 
 
 def kv_capacity(kv_bytes: int) -> dict[str, int]:
@@ -130,7 +128,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if "decode" in args.parts:
         print_decode(args.tokens, args.rounds)
     if "workload-a" in args.parts:
-        print_workload_a(args.requests, args.rounds)
+        print_workload_a(args.requests)
     if "capacity" in args.parts:
         cap = kv_capacity(args.kv_bytes)
         print(f"\nKV capacity in {args.kv_bytes >> 20} MiB: fp16 {cap['float16']} blocks, "
@@ -149,11 +147,16 @@ def print_decode(tokens: int, rounds: int) -> None:
               f"| {ratio} |")
 
 
-def print_workload_a(requests: int, rounds: int) -> None:
-    a = workload_a_speeds(requests, rounds)
-    base = statistics.median(a["fp32, fp16 KV"])
-    print(f"\nWorkload A, {requests} requests, median of {rounds} interleaved rounds"
-          "\n\n| engine | output tok/s (median) | rounds | ÷ fp32 |\n|---|---|---|---|")
-    for name, s in a.items():
-        print(f"| {name} | {statistics.median(s):.1f} | {', '.join(f'{x:.1f}' for x in s)} "
-              f"| {statistics.median(s) / base:.2f}x |")
+def print_workload_a(requests: int) -> None:
+    results = workload_a(requests)
+    base = results["engine fp32, fp16 KV"].output_tokens_per_s
+    hf = results["HF generate fp32"].output_tokens_per_s
+    print(f"\nWorkload A, {requests} requests, greedy, prefix caching off\n\n"
+          "| run | output tok/s | ÷ engine fp32 | ÷ HF generate | linear-layer roofline |"
+          "\n|---|---|---|---|---|")
+    for name, r in results.items():
+        frac = r.extra.get("roofline_fraction")
+        roof = f"{frac:.1%} ({r.extra['roofline_s']:.1f} of {r.elapsed_s:.1f} s)" if frac \
+            else "n/a"
+        tps = r.output_tokens_per_s
+        print(f"| {name} | {tps:.1f} | {tps / base:.2f}x | {tps / hf:.2f}x | {roof} |")

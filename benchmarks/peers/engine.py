@@ -84,19 +84,21 @@ def step_split(records: Iterable[StepRecord]) -> dict[str, float | int]:
 def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None,
         enable_prefix_caching: bool = True, kv_cache_bytes: int | None = None,
         kv_cache_dtype: str = "auto", roofline: bool = True,
-        json_schema: dict | None = None) -> PeerResult:
+        json_schema: dict | None = None, quantization: str = "none") -> PeerResult:
     """Run the workload greedily with ``ignore_eos``; ``concurrency`` is max_num_seqs
     (None: the engine's default); ``kv_cache_dtype`` is how the KV pool stores keys and
     values (compute stays fp32). ``roofline=False`` skips timing the linear layers
     afterwards (a minute at Workload A's sizes), for runs that only need throughput.
-    ``json_schema``: every request's output is constrained to it (structured output)."""
+    ``json_schema``: every request's output is constrained to it (structured output).
+    ``quantization``: the linear layers' (the roofline then times them as run)."""
     from cluster.llm import LLM
     from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
     torch.set_num_threads(NUM_THREADS)
     limits = {"max_num_seqs": concurrency} if concurrency else {}
     llm = LLM(device="cpu", enable_prefix_caching=enable_prefix_caching,
-              kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, **limits)
+              kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype,
+              quantization=quantization, **limits)
     # Warmup (kernel build and first-call allocations); 8 tokens fill no cacheable block.
     structured = StructuredOutputsParams(json=json_schema) if json_schema else None
     llm.generate({"prompt_token_ids": prompts[0][:8]},   # also builds the grammar tokenizer
@@ -144,6 +146,7 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
         "step_tokens_histogram": dict(sorted(Counter(r.num_tokens for r in records).items())),
         "roofline_s": roofline_s,
         "json_schema": json_schema,
+        "quantization": quantization,
         "roofline_fraction": roofline_s / elapsed if roofline_s is not None else None,
     }
     mode = "on" if enable_prefix_caching else "off"
@@ -151,7 +154,8 @@ def run(prompts: list[list[int]], max_tokens: list[int], concurrency: int | None
         name=NAME if enable_prefix_caching else f"{NAME}_no_prefix_cache",
         num_requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
         output_tokens=output_tokens, elapsed_s=elapsed, peak_rss_bytes=peak_rss_bytes(),
-        notes=f"this engine, fp32 compute, {extra['kv_dtype']} KV cache, prefix caching {mode}, "
+        notes=f"this engine, fp32 compute, {quantization} quantization, "
+              f"{extra['kv_dtype']} KV cache, prefix caching {mode}, "
               f"max_num_seqs "
               f"{extra['max_num_seqs']}, {extra['kv_pool_tokens']} KV token slots, greedy, "
               f"ignore_eos", extra=extra)

@@ -260,6 +260,58 @@ def make_module(state: FakeNpuState) -> types.ModuleType:
         query.copy_(q.reshape(t, -1))
         key.copy_(k.reshape(t, -1))
 
+    def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+        """Per-token symmetric int8 as documented: scale = row_max(|x|) / 127, y =
+        round(x / scale); float16/bfloat16 inputs of more than one dim."""
+        op = "npu_dynamic_quant"
+        record(op, x=x, smooth_scales=smooth_scales, group_index=group_index,
+               dst_type=dst_type)
+        _check(op, x.dim() > 1 and x.dtype in (torch.float16, torch.bfloat16),
+               f"x {x.dtype} of {x.dim()} dims; expected float16/bfloat16, 2+ dims")
+        _check(op, dst_type in (None, torch.int8) and group_index is None,
+               "only int8 without MoE groups is modelled")
+        xf = x.float()
+        if smooth_scales is not None:
+            _check(op, smooth_scales.shape == x.shape[-1:] and smooth_scales.dtype == x.dtype,
+                   "smooth_scales: 1-D over x's last dim, x's dtype")
+            xf = xf * smooth_scales.float()
+        scale = xf.abs().amax(dim=-1) / 127
+        y = torch.round(xf / torch.where(scale > 0, scale, 1)[..., None])
+        return y.clamp(-128, 127).to(torch.int8), scale
+
+    def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                         output_dtype=None, x1_dtype=None, x2_dtype=None,
+                         pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None):
+        """``(x1 @ x2) * pertoken_scale[:, None] * scale + bias`` for int8 x1 [m, k] and
+        x2 [k, n], the product exact (int64 here, int32 on the device), the rest in
+        float32."""
+        op = "npu_quant_matmul"
+        record(op, x1=x1, x2=x2, scale=scale, offset=offset, pertoken_scale=pertoken_scale,
+               bias=bias, output_dtype=output_dtype)
+        _check(op, x1.dtype == x2.dtype == torch.int8 and x1.dim() == x2.dim() == 2
+               and x1.shape[1] == x2.shape[0],
+               f"x1 {x1.dtype} {tuple(x1.shape)}, x2 {x2.dtype} {tuple(x2.shape)}; "
+               "expected int8 [m, k] and [k, n]")
+        m, n = x1.shape[0], x2.shape[1]
+        _check(op, scale.dim() == 1 and scale.shape[0] in (1, n) and scale.dtype ==
+               torch.float32, f"scale {scale.dtype} {tuple(scale.shape)}; expected float32 "
+               f"(1,) or ({n},)")
+        _check(op, offset is None, "offset is not modelled")
+        _check(op, pertoken_scale is None or not state.nz,
+               "Atlas inference cards (310P) take no pertoken_scale")
+        _check(op, pertoken_scale is not None and pertoken_scale.dtype == torch.float32
+               and pertoken_scale.shape == (m,), "expected a float32 pertoken_scale (m,)")
+        _check(op, output_dtype in (torch.float16, torch.bfloat16),
+               f"output_dtype {output_dtype}: with pertoken_scale, float16 or bfloat16")
+        _check(op, bias is None or (bias.shape == (n,) and bias.dtype in
+                                    (torch.int32, torch.float32, output_dtype)),
+               f"bias {None if bias is None else (bias.dtype, tuple(bias.shape))}")
+        # The dequantization in float32 (the device's), the output rounded once.
+        out = (x1.long() @ x2.long()).float() * pertoken_scale[:, None] * scale[None, :]
+        if bias is not None:
+            out += bias.float()
+        return out.to(output_dtype)
+
     def npu_format_cast(input, acl_format):
         record("npu_format_cast", input=input, acl_format=acl_format)
         state.formats[input.untyped_storage().data_ptr()] = acl_format
@@ -275,7 +327,8 @@ def make_module(state: FakeNpuState) -> types.ModuleType:
     module = types.ModuleType("torch_npu")
     for fn in (_npu_reshape_and_cache, _npu_paged_attention, npu_fused_infer_attention_score,
                _npu_paged_attention_splitfuse, npu_rms_norm, npu_add_rms_norm, npu_swiglu,
-               _npu_rotary_embedding, npu_format_cast, empty_with_format):
+               _npu_rotary_embedding, npu_dynamic_quant, npu_quant_matmul, npu_format_cast,
+               empty_with_format):
         setattr(module, fn.__name__, fn)
     module.fake_state = state
     return module

@@ -42,8 +42,9 @@ def test_w8a8_is_the_exact_int32_product_rescaled(ops, rows):
     x, w, bias = inputs(rows, seed=rows)
     packed = ops.pack_linear(w, "w8a8")
     qw, sw = symmetric_int8(w)
-    assert torch.equal(packed.qweight.long(), qw)
-    torch.testing.assert_close(packed.scale.double(), sw, rtol=1e-6, atol=0)
+    int8 = TorchOps().pack_linear(w, "w8a8")
+    assert torch.equal(int8.qweight.long(), qw)
+    torch.testing.assert_close(int8.scale.double(), sw, rtol=1e-6, atol=0)
     qx, sx = symmetric_int8(x)
     exact = (qx @ qw.T).double()  # int64: no rounding anywhere
     expected = exact * sx[:, None] * sw[None, :] + bias.double()
@@ -55,18 +56,31 @@ def test_w8a8_is_the_exact_int32_product_rescaled(ops, rows):
 
 @pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
-def test_w8a16_is_the_dequantized_weights_product(ops, rows):
+@pytest.mark.parametrize("inp,group", [(96, 96), (192, 64)], ids=["per-channel", "groups"])
+def test_w8a16_is_the_dequantized_weights_product(ops, rows, inp, group):
     """Both the small-batch kernel (<= 16 rows) and the blocked path (more rows, more
-    than one block of output channels)."""
-    x, w, bias = inputs(rows, seed=100 + rows, out=600)
+    than one block of output channels); a width that 64 divides gets a scale per 64
+    input columns of each channel (96 does not: one per channel)."""
+    x, w, bias = inputs(rows, seed=100 + rows, out=600, inp=inp)
     packed = ops.pack_linear(w, "w8a16")
-    qw, sw = symmetric_int8(w)
-    expected = x.double() @ (qw.double() * sw[:, None]).T + bias.double()
-    got = ops.linear(x.view(1, rows, 96), packed, bias)
+    qw, sw = symmetric_int8(w.reshape(-1, group))
+    dequant = (qw.double() * sw[:, None]).reshape(600, inp)
+    expected = x.double() @ dequant.T + bias.double()
+    got = ops.linear(x.view(1, rows, inp), packed, bias)
     assert got.shape == (1, rows, 600)
     # fp32 accumulation: errors relative to each row's size (rows span 4 decades).
     rel = (got[0].double() - expected).abs() / expected.abs().amax(dim=1, keepdim=True)
     assert rel.max() < 1e-5
+
+
+def test_group_scales_are_only_for_w8a16():
+    q = torch.zeros(4, 128, dtype=torch.int8)
+    assert Int8Weight.from_int8("w8a16", q, torch.ones(4, 2)).scale.shape == (4, 2)
+    assert Int8Weight.from_int8("w8a8", q, torch.ones(4, 1)).scale.shape == (4,)
+    with pytest.raises(ValueError, match=r"got shape \(4, 2\) for a weight \[4, 128\]"):
+        Int8Weight.from_int8("w8a8", q, torch.ones(4, 2))
+    with pytest.raises(ValueError, match="groups dividing the input width"):
+        Int8Weight.from_int8("w8a16", q, torch.ones(4, 3))
 
 
 def test_pre_quantized_weights_are_used_as_stored():
@@ -76,7 +90,7 @@ def test_pre_quantized_weights_are_used_as_stored():
     ops = TorchOps()
     assert ops.pack_linear(given) is given
     torch.testing.assert_close(ops.linear(x, given), ops.linear(x, ops.pack_linear(w, "w8a8")))
-    with pytest.raises(ValueError, match="one per channel"):
+    with pytest.raises(ValueError, match="expected one per channel"):
         Int8Weight.from_int8("w8a8", qw.to(torch.int8), sw[:3].float())
 
 
@@ -105,5 +119,22 @@ def test_a_worker_quantizes_its_decoder_layers_not_its_lm_head(tiny_factory, qua
     model = Worker(spec, "mixed").runner.model
     layer = model.layers[0]
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
-        assert isinstance(w, Int8Weight) and w.scheme == quantization
-    assert not isinstance(model.lm_head, Int8Weight)
+        assert w.choice.kind == quantization   # CPU ops: int8 weights, kernel chosen
+    assert model.lm_head.choice.kind == "fp32"
+
+
+def test_the_fused_per_token_quantization_equals_the_torch_definition():
+    """The CPU ops' one-pass kernel gives quantize_rows' int8 values and scales bit for
+    bit: zero rows, values on a rounding tie (x / scale = k + 0.5), rows of any count."""
+    all_ops()
+    from workers.ops.quant_linear import quantize_rows
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(37, 96, generator=g) * torch.logspace(-3, 3, 37)[:, None]
+    x[4] = 0
+    x[5, :3] = torch.tensor([127.0, 0.5, -2.5])   # scale 1: ties at 0.5 and -2.5
+    x[5, 3:] = 0
+    q, s = torch.ops.llm_cluster.quantize_rows_int8(x)
+    want_q, want_s = quantize_rows(x)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s)
+    assert q[5, :3].tolist() == [127, 0, -2]

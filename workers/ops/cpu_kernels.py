@@ -9,10 +9,12 @@ dispatch and re-reads cost more than their arithmetic at decode batch sizes:
 machine with torch's extension builder (g++ and ninja) into the cache directory;
 when that is impossible the engine keeps the reference path and says so.
 
-The linear layers, most of a step, run on oneDNN with weights packed once at load:
-``F.linear`` goes to MKL, which repacks the weight on every call and, on AMD CPUs, runs
-its AVX2 code; oneDNN's packed fp32 GEMM was 2-3x faster at every batch size measured
-(``python -m cluster bench decode-step``), with the same fp32 arithmetic.
+The linear layers, most of a step, run on whichever implementation a short timing at
+load finds fastest here, per batch-size range (``linear_choice``): ``F.linear`` (MKL,
+which repacks the weight every call and runs AVX2 code on AMD CPUs), oneDNN's packed
+fp32 weights (2-3x faster on the AMD EPYC measured, ``python -m cluster bench
+decode-step``; slower than MKL at batch 1 on an Intel Xeon), and for int8 weights the
+C++ w8a16 kernel or blocked dequantization.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch.nn.functional as F
 
 from workers.loading.checkpoint import cache_root
 from workers.ops.base import AttentionMetadata
-from workers.ops.quant_linear import Int8Weight
+from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl
+from workers.ops.quant_linear import Int8Weight, w8a8_linear, w8a16_blocked
 from workers.ops.torch_ref import TorchOps
 
 log = logging.getLogger(__name__)
@@ -113,30 +116,38 @@ class CpuOps(TorchOps):
 
     name = "cpu"
 
+    def __init__(self, chooser: LinearChooser | None = None) -> None:
+        self.chooser = chooser or LinearChooser()
+
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
-                    quantization: str = "none") -> torch.Tensor | Int8Weight:
-        if (isinstance(weight, Int8Weight) or quantization != "none"
-                or weight.dtype != torch.float32 or onednn_linear_problem() is not None):
+                    quantization: str = "none") -> torch.Tensor | Int8Weight | ChosenLinear:
+        """fp32 and int8 weights get the implementation timed fastest here per batch-size
+        range (``linear_choice``); other dtypes keep the reference."""
+        if not isinstance(weight, Int8Weight) and weight.dtype != torch.float32:
             return super().pack_linear(weight, quantization)
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        weight = super().pack_linear(weight, quantization)
+        kind, shape = ((weight.scheme, tuple(weight.qweight.shape))
+                       if isinstance(weight, Int8Weight) else ("fp32", tuple(weight.shape)))
+        return self.chooser.choose(weight, kind, shape, self.linear_candidates(weight))
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
+    def linear_candidates(self, weight: torch.Tensor | Int8Weight) -> list[LinearImpl]:
+        """The implementations that compute this weight's product here."""
+        if isinstance(weight, Int8Weight) and weight.scheme == "w8a8":
+            return [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant)]
+        if isinstance(weight, Int8Weight):
+            return [LinearImpl("int8-kernel", _as_is, _w8a16_kernel,
+                               max_rows=W8A16_KERNEL_ROWS),
+                    LinearImpl("dequant", _as_is, w8a16_blocked)]
+        candidates = [LinearImpl("mkl", torch.Tensor.contiguous, F.linear)]
+        if onednn_linear_problem() is None:
+            candidates.append(LinearImpl("onednn", _onednn_pack, _onednn_linear))
+        return candidates
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight | ChosenLinear,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(weight, Int8Weight) or not weight.is_mkldnn:
-            return super().linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-
-    def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
-                    bias: torch.Tensor | None) -> torch.Tensor:
-        """w8a16 decode batches read the int8 weight in the C++ kernel."""
-        rows = x.numel() // x.shape[-1]
-        if weight.scheme != "w8a16" or x.dtype != torch.float32 or rows > W8A16_KERNEL_ROWS:
-            return super().int8_linear(x, weight, bias)
-        out = torch.ops.llm_cluster.int8_weight_linear(
-            x.reshape(rows, x.shape[-1]).contiguous(), weight.qweight, weight.scale)
-        if bias is not None:
-            out.add_(bias)
-        return out.reshape(*x.shape[:-1], weight.out_features)
+        if isinstance(weight, ChosenLinear):
+            return weight(x, bias)
+        return super().linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():
@@ -176,6 +187,45 @@ class CpuOps(TorchOps):
             tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return torch.ops.llm_cluster.paged_decode_attention(
             q.contiguous(), kv_cache[0], kv_cache[1], tables, lens, scale)
+
+
+def _as_is(weight: Int8Weight) -> Int8Weight:
+    return weight
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """``w8a8_linear`` with its per-token quantization in one C++ pass (fp32 rows)."""
+    if x.dtype != torch.float32:
+        return w8a8_linear(x, weight, bias)
+    shape = x.shape
+    qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, shape[-1]).contiguous())
+    out = torch._int_mm(qx, weight.qweight_t).float().mul_(sx[:, None]).mul_(weight.scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*shape[:-1], weight.out_features)
+
+
+def _w8a16_kernel(x: torch.Tensor, weight: Int8Weight,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """A decode batch of fp32 rows reads the int8 weight in the C++ kernel."""
+    rows = x.numel() // x.shape[-1]
+    if x.dtype != torch.float32 or rows > W8A16_KERNEL_ROWS:
+        return w8a16_blocked(x, weight, bias)
+    out = torch.ops.llm_cluster.int8_weight_linear(
+        x.reshape(rows, x.shape[-1]).contiguous(), weight.qweight, weight.scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def cpu_ops(backend: str) -> TorchOps:

@@ -18,6 +18,12 @@ sites:
   vllm-ascend's 310P mask builder does.
 - ``npu_rms_norm``, ``npu_add_rms_norm``, ``npu_swiglu``, and rotary through
   ``_npu_rotary_embedding`` (in place, neox halves, a ``[max_pos, D]`` cos|sin cache).
+- W8A8 dynamic linear layers as vllm-ascend's w8a8_dynamic method runs them:
+  ``npu_dynamic_quant(x)`` gives int8 rows and a float32 scale per token,
+  ``npu_quant_matmul(qx, w, scale, pertoken_scale=..., bias=..., output_dtype=x.dtype)``
+  takes the int8 weight transposed to [in, out] and cast to NZ once at load, with the
+  float32 per-output-channel scales. ``npu_dynamic_quant`` takes float16/bfloat16 only,
+  and 310P's ``npu_quant_matmul`` has no per-token scale, so both are refused at load.
 
 310P devices (``get_device_name`` names them) get the fractal NZ KV layout, allocated
 with ``empty_with_format(..., acl_format=29)``. Sparse (per-KV-head) decode tables have
@@ -26,6 +32,7 @@ no torch_npu op: they run the reference decode.
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 
 import torch
@@ -33,10 +40,12 @@ import torch
 from kvcache.kv_layout import LAYOUT_ND, LAYOUT_NZ, nd_to_nz
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from workers.ops.base import AttentionMetadata
+from workers.ops.quant_linear import Int8Weight
 from workers.ops.torch_ref import TorchOps
 
 ACL_FORMAT_FRACTAL_NZ = 29
 FIA_MASK_SIZE = 2048      # sparse_mode 3 reads a fixed 2048x2048 causal mask
+W8A8_DTYPES = (torch.float16, torch.bfloat16)   # what npu_dynamic_quant quantizes
 
 
 class NpuOps(TorchOps):
@@ -56,6 +65,31 @@ class NpuOps(TorchOps):
         return [self.npu.empty_with_format(size=shape.layer_shape(num_blocks), dtype=shape.dtype,
                                            device=device, acl_format=ACL_FORMAT_FRACTAL_NZ).zero_()
                 for _ in range(shape.num_layers)]
+
+    def pack_linear(self, weight: torch.Tensor | Int8Weight,
+                    quantization: str = "none") -> torch.Tensor | Int8Weight:
+        packed = super().pack_linear(weight, quantization)
+        if not isinstance(packed, Int8Weight) or packed.scheme != "w8a8":
+            return packed
+        if self.kv_layout == LAYOUT_NZ:
+            raise ValueError("quantization: got 'w8a8' on an Ascend 310P, whose "
+                             "npu_quant_matmul takes no per-token scales; use w8a16 or none")
+        if not isinstance(weight, Int8Weight) and weight.dtype not in W8A8_DTYPES:
+            raise ValueError(f"quantization: 'w8a8' on the NPU needs model.dtype float16 or "
+                             f"bfloat16 (npu_dynamic_quant's inputs); got "
+                             f"{str(weight.dtype).removeprefix('torch.')}")
+        nz = self.npu.npu_format_cast(packed.qweight_t, ACL_FORMAT_FRACTAL_NZ)
+        return dataclasses.replace(packed, qweight_t=nz)
+
+    def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        if weight.scheme != "w8a8":
+            return super().int8_linear(x, weight, bias)
+        qx, token_scale = self.npu.npu_dynamic_quant(x.reshape(-1, x.shape[-1]))
+        out = self.npu.npu_quant_matmul(qx, weight.qweight_t, weight.scale,
+                                        pertoken_scale=token_scale, bias=bias,
+                                        output_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], weight.out_features)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.npu.npu_rms_norm(x, weight, epsilon=eps)[0]

@@ -1,4 +1,5 @@
-// Weight-only int8 linear layer for small batches (decode): out = (x @ q.T) * scale.
+// Weight-only int8 linear layer for small batches (decode): out = (x @ q.T) * scale,
+// the scale per output channel or per group of input columns of it.
 // Decode reads every weight once per token, so its speed is the weight bytes; an int8
 // weight is a quarter of fp32's. Each output channel's int8 row is read once and
 // widened to fp32 in registers for every activation row, never stored as fp32.
@@ -7,12 +8,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
 
 namespace {
 
 constexpr int64_t kChannelGrain = 16;  // output channels per parallel task
 constexpr int64_t kMaxRows = 16;       // activation rows one pass serves
+constexpr int64_t kRowGrain = 16;      // activation rows per parallel quantization task
 
 at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
                               const at::Tensor& scale) {
@@ -21,10 +26,15 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
   TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
                   qweight.is_contiguous() && qweight.size(1) == x.size(1),
               "int8_weight_linear: qweight must be contiguous int8 [out, in]");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == qweight.size(0),
-              "int8_weight_linear: scale must be float32 [out]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(0) == qweight.size(0) && scale.dim() <= 2,
+              "int8_weight_linear: scale must be contiguous float32 [out] or [out, groups]");
   TORCH_CHECK(x.size(0) <= kMaxRows, "int8_weight_linear: at most 16 rows");
   const int64_t rows = x.size(0), in = x.size(1), out_ch = qweight.size(0);
+  // One scale per output channel, or per group of `group` input columns of it.
+  const int64_t groups = scale.dim() == 2 ? scale.size(1) : 1;
+  TORCH_CHECK(in % groups == 0, "int8_weight_linear: groups must divide the input width");
+  const int64_t group = in / groups;
   auto out = at::empty({rows, out_ch}, x.options());
   const float* xp = x.data_ptr<float>();
   const int8_t* qp = qweight.data_ptr<int8_t>();
@@ -33,24 +43,63 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& qweight,
   at::parallel_for(0, out_ch, kChannelGrain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* qrow = qp + n * in;
+      const float* srow = sp + n * groups;
       for (int64_t r = 0; r < rows; ++r) {
         const float* xr = xp + r * in;
-        float acc = 0.f;
+        float total = 0.f;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t k0 = g * group;
+          float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int64_t k = 0; k < in; ++k) acc += xr[k] * static_cast<float>(qrow[k]);
-        op[r * out_ch + n] = acc * sp[n];
+          for (int64_t k = k0; k < k0 + group; ++k) acc += xr[k] * static_cast<float>(qrow[k]);
+          total += acc * srow[g];
+        }
+        op[r * out_ch + n] = total;
       }
     }
   });
   return out;
 }
 
+// W8A8's per-token activation quantization in one pass per row: scale = amax / 127
+// (1 for an all-zero row), q = round-half-even(x / scale), as quant_linear.quantize_rows
+// computes it with five torch ops (each its own pass and, past a size, its own
+// parallel region).
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "quantize_rows_int8: x must be contiguous float32 [rows, cols]");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto q = at::empty({rows, cols}, x.options().dtype(at::kChar));
+  auto scale = at::empty({rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * cols;
+      float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+      for (int64_t k = 0; k < cols; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      sp[r] = s;
+      int8_t* qr = qp + r * cols;
+      for (int64_t k = 0; k < cols; ++k) {
+        const float v = std::nearbyint(xr[k] / s);
+        qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+      }
+    }
+  });
+  return {q, scale};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("int8_weight_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
+  m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("int8_weight_linear", &int8_weight_linear);
+  m.impl("quantize_rows_int8", &quantize_rows_int8);
 }

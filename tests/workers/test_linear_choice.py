@@ -1,0 +1,151 @@
+"""Kernel choice by measurement: the chooser keeps the faster of candidates whose costs
+the test sets (a fake clock, no wall-clock timing), per batch-size range; and every
+implementation the CPU ops may choose computes ``x @ W.T + b`` (a float64 oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
+from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, RowRange
+from workers.ops.quant_linear import Int8Weight
+
+RANGES = (RowRange(1, 1), RowRange(4, 8), RowRange(17, 128))
+
+
+class FakeCosts:
+    """Candidates whose calls advance a fake clock by a cost the test chose; every
+    pack and run is recorded."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.packed: list[str] = []
+        self.ran: list[tuple[str, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def impl(self, name: str, cost, max_rows: int | None = None) -> LinearImpl:
+        def pack(w):
+            self.packed.append(name)
+            return (name, w)
+
+        def run(x, packed, bias):
+            assert packed[0] == name
+            rows = x.shape[0]
+            self.now += cost(rows)
+            self.ran.append((name, rows))
+            return x @ packed[1].T
+
+        return LinearImpl(name, pack, run, max_rows)
+
+
+def test_the_chooser_keeps_the_cheaper_candidate_per_range():
+    """``flat`` costs 5 a call, ``per_row`` 1 a row: ``per_row`` wins at 1 row, ``flat``
+    at 8 and 128; calls then go to the winner of their row count's range."""
+    costs = FakeCosts()
+    chooser = LinearChooser(RANGES, clock=costs.clock)
+    cands = [costs.impl("flat", lambda rows: 5.0), costs.impl("per_row", float)]
+    w = torch.randn(6, 4)
+    chosen = chooser.choose(w, "fp32", (6, 4), cands)
+    assert chosen.choice.names == ("per_row", "flat", "flat")
+    assert chosen.choice.timings_ms[0] == {"flat": 5000.0, "per_row": 1000.0}
+    assert "rows 1-3: per_row" in chosen.choice.describe()
+    costs.ran.clear()
+    for rows, want in ((1, "per_row"), (3, "per_row"), (4, "flat"), (16, "flat"),
+                       (17, "flat"), (500, "flat")):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(chosen(x, None), x @ w.T)
+        assert costs.ran[-1] == (want, rows)
+
+
+def test_a_shape_is_timed_once_and_later_weights_pack_only_their_choice():
+    costs = FakeCosts()
+    chooser = LinearChooser(RANGES, clock=costs.clock)
+    cands = [costs.impl("slow", lambda rows: 9.0), costs.impl("fast", lambda rows: 1.0)]
+    chooser.choose(torch.randn(6, 4), "fp32", (6, 4), cands)
+    assert sorted(costs.packed) == ["fast", "slow"]
+    costs.packed.clear()
+    costs.ran.clear()
+    again = chooser.choose(torch.randn(6, 4), "fp32", (6, 4), cands)
+    assert costs.packed == ["fast"] and costs.ran == []
+    assert again.choice.names == ("fast",) * 3
+    assert list(chooser.choices) == [("fp32", (6, 4))]
+
+
+def test_a_candidate_with_a_row_limit_is_kept_out_of_ranges_beyond_it():
+    """``kernel`` (at most 16 rows) is cheapest everywhere it may run; above 16 rows only
+    ``blocked`` may, so it is chosen there without timing."""
+    costs = FakeCosts()
+    chooser = LinearChooser(RANGES, clock=costs.clock)
+    cands = [costs.impl("kernel", lambda rows: 1.0, max_rows=16),
+             costs.impl("blocked", lambda rows: 3.0)]
+    chosen = chooser.choose(torch.randn(6, 4), "w8a16", (6, 4), cands)
+    assert chosen.choice.names == ("kernel", "kernel", "blocked")
+    assert chosen.choice.timings_ms[2] == {}
+    assert max(rows for _, rows in costs.ran) == 8
+    with pytest.raises(ValueError, match="no candidate takes rows 17"):
+        chooser.choose(torch.randn(2, 4), "w8a16", (2, 4), cands[:1])
+
+
+def test_a_call_over_its_budget_is_not_repeated():
+    costs = FakeCosts()
+    chooser = LinearChooser(RANGES, clock=costs.clock, repeats=3, budget_s=10.0)
+    cands = [costs.impl("big", lambda rows: 20.0), costs.impl("small", lambda rows: 2.0)]
+    chooser.choose(torch.randn(6, 4), "fp32", (6, 4), cands)
+    timed_at_128 = [name for name, rows in costs.ran if rows == 128]
+    assert timed_at_128.count("big") == 1 and timed_at_128.count("small") == 3
+
+
+def cpu_ops() -> CpuOps:
+    problem = load_cpu_kernels()
+    assert problem is None, f"CPU kernels failed to build: {problem}"
+    return CpuOps()
+
+
+@pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16"])
+def test_every_candidate_and_the_choice_match_the_oracle(quantization):
+    """fp32: ``x @ W.T + b`` in float64; int8: the same with the dequantized weight
+    (and, for w8a8, per-token dequantized activations)."""
+    ops = cpu_ops()
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    packed = ops.pack_linear(w, quantization)
+    assert isinstance(packed, ChosenLinear)
+    weight = w if quantization == "none" else Int8Weight.from_int8(
+        quantization, *_int8(w))
+    w_eff = weight.double() if quantization == "none" else \
+        weight.qweight.double() * weight.scale.double()[:, None]
+    for rows in (1, 3, 8, 16, 40):
+        x = torch.randn(rows, 96, generator=g)
+        x_eff = x.double()
+        if quantization == "w8a8":
+            qx, sx = _int8(x)
+            x_eff = qx.double() * sx.double()[:, None]
+        want = x_eff @ w_eff.T + b.double()
+        runs = [(c.name, c.run(x, c.pack(weight), b)) for c in ops.linear_candidates(weight)
+                if c.max_rows is None or rows <= c.max_rows]
+        runs.append(("chosen", ops.linear(x, packed, b)))
+        for name, got in runs:
+            assert got.dtype == torch.float32 and got.shape == (rows, 80), name
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 by its definition."""
+    scale = t.abs().amax(dim=1) / 127
+    return torch.round(t / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def test_the_cpu_ops_time_the_fp32_gemms_once_per_shape():
+    ops = cpu_ops()
+    names = [c.name for c in ops.linear_candidates(torch.randn(4, 4))]
+    assert names == ["mkl", "onednn"]
+    for _ in range(3):
+        ops.pack_linear(torch.randn(40, 48))
+    ops.pack_linear(torch.randn(40, 48), "w8a16")
+    assert sorted(ops.chooser.choices) == [("fp32", (40, 48)), ("w8a16", (40, 48))]
+    choice = ops.chooser.choices[("fp32", (40, 48))]
+    assert all(set(ms) == {"mkl", "onednn"} for ms in choice.timings_ms)

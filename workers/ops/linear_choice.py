@@ -1,0 +1,155 @@
+"""Each linear layer's implementation, chosen by timing the candidates at load.
+
+Which GEMM is fastest depends on the processor and the batch size, not on the vendor:
+on an Intel Xeon MKL's ``F.linear`` beat oneDNN's packed weights at batch 1 and lost
+from batch 16, on an AMD EPYC oneDNN won at every size (benchmarks/RESULTS.md). So the
+CPU ops time every candidate on the layer's own weight, at one row count per
+batch-size range, and keep the fastest per range. A choice is made once per distinct
+weight (kind, shape) and reused by every layer of that shape, so loading a model pays a
+few timings per shape (the default model: five shapes, about 0.2 s, most of it the LM
+head), each candidate bounded by a small time budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+Run = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LinearImpl:
+    """One way to compute ``x @ W.T + bias``: ``pack`` makes its weight once at load,
+    ``run`` reads it; ``max_rows`` is the most rows it takes (None: any)."""
+
+    name: str
+    pack: Callable[[Any], Any]
+    run: Run
+    max_rows: int | None = None
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Row counts from ``first`` up to the next range's first, timed at ``timed`` rows."""
+
+    first: int
+    timed: int
+
+
+# Decode batches of 1-3, small batches (the w8a16 kernel's up to 16 rows), and larger
+# batches and prefill chunks.
+ROW_RANGES = (RowRange(1, 1), RowRange(4, 8), RowRange(17, 128))
+
+
+@dataclass(frozen=True)
+class LinearChoice:
+    """The implementation chosen per row range, with the timings that chose it
+    (milliseconds per candidate; empty where there was nothing to choose between)."""
+
+    kind: str
+    shape: tuple[int, int]
+    ranges: tuple[RowRange, ...]
+    names: tuple[str, ...]
+    timings_ms: tuple[dict[str, float], ...]
+
+    def describe(self) -> str:
+        parts = []
+        for i, (r, name, ms) in enumerate(zip(self.ranges, self.names, self.timings_ms)):
+            last = f"-{self.ranges[i + 1].first - 1}" if i + 1 < len(self.ranges) else "+"
+            timed = ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items())
+            parts.append(f"rows {r.first}{last}: {name}" + (f" ({timed} at {r.timed})"
+                                                           if timed else ""))
+        return f"linear {self.kind} {self.shape[0]}x{self.shape[1]}: " + "; ".join(parts)
+
+
+@dataclass
+class ChosenLinear:
+    """A weight packed for the implementations chosen for it; calling it runs the one
+    chosen for the call's row count."""
+
+    choice: LinearChoice
+    out_features: int
+    firsts: tuple[int, ...]
+    runs: tuple[tuple[Run, Any], ...]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        run, packed = self.runs[max(0, bisect.bisect_right(self.firsts, rows) - 1)]
+        return run(x, packed, bias)
+
+
+class LinearChooser:
+    """Times candidates on a weight, per row range, and remembers the choice per (kind,
+    shape). ``clock`` is injectable so that a test can give candidates known costs."""
+
+    def __init__(self, ranges: Sequence[RowRange] = ROW_RANGES,
+                 clock: Callable[[], float] = time.perf_counter, repeats: int = 3,
+                 budget_s: float = 0.02) -> None:
+        self.ranges = tuple(ranges)
+        self.clock, self.repeats, self.budget_s = clock, repeats, budget_s
+        self.choices: dict[tuple[str, tuple[int, int]], LinearChoice] = {}
+
+    def choose(self, weight: Any, kind: str, shape: tuple[int, int],
+               candidates: Sequence[LinearImpl]) -> ChosenLinear:
+        """``weight`` [out, in] (``shape``) packed for its chosen implementations; the
+        first weight of a (kind, shape) is timed, later ones reuse its choice."""
+        key = (kind, shape)
+        by_name = {c.name: c for c in candidates}
+        choice = self.choices.get(key)
+        packed = {}
+        if choice is None:
+            packed = {c.name: c.pack(weight) for c in candidates}
+            choice = self._measure(kind, shape, candidates, packed)
+            self.choices[key] = choice
+            log.info("%s", choice.describe())
+        for name in set(choice.names) - packed.keys():
+            packed[name] = by_name[name].pack(weight)
+        runs = tuple((by_name[n].run, packed[n]) for n in choice.names)
+        return ChosenLinear(choice, shape[0], tuple(r.first for r in self.ranges), runs)
+
+    def _measure(self, kind: str, shape: tuple[int, int], candidates: Sequence[LinearImpl],
+                 packed: dict[str, Any]) -> LinearChoice:
+        names, timings = [], []
+        for i, r in enumerate(self.ranges):
+            last = self.ranges[i + 1].first - 1 if i + 1 < len(self.ranges) else None
+            fit = [c for c in candidates
+                   if c.max_rows is None or (last is not None and last <= c.max_rows)]
+            if not fit:
+                raise ValueError(f"linear {kind} {shape}: no candidate takes rows {r.first}+; "
+                                 f"got {[c.name for c in candidates]}")
+            ms = (self._time(fit, packed, r.timed, shape[1], warm=not any(timings))
+                  if len(fit) > 1 else {})
+            names.append(min(ms, key=ms.__getitem__) if ms else fit[0].name)
+            timings.append(ms)
+        return LinearChoice(kind, shape, self.ranges, tuple(names), tuple(timings))
+
+    @torch.inference_mode()
+    def _time(self, fit: Sequence[LinearImpl], packed: dict[str, Any], rows: int,
+              in_features: int, warm: bool) -> dict[str, float]:
+        """Best of up to ``repeats`` calls per candidate in interleaved rounds; a
+        candidate stops once its calls spent ``budget_s``. ``warm``: one untimed call
+        each first (the first range timed: it brings the weights into memory)."""
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0))
+        best = {c.name: float("inf") for c in fit}
+        spent = dict.fromkeys(best, 0.0)
+        for c in fit if warm else ():
+            c.run(x, packed[c.name], None)
+        for _ in range(self.repeats):
+            for c in fit:
+                if spent[c.name] >= self.budget_s:
+                    continue
+                start = self.clock()
+                c.run(x, packed[c.name], None)
+                took = self.clock() - start
+                spent[c.name] += took
+                best[c.name] = min(best[c.name], took)
+        return {name: t * 1e3 for name, t in best.items()}
