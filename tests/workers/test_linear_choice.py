@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
-from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, RowRange
+from workers.ops.linear_choice import (
+    ChoiceStore,
+    ChosenLinear,
+    LinearChooser,
+    LinearImpl,
+    RowRange,
+)
 from workers.ops.quant_linear import Int8Weight
 
 RANGES = (RowRange(1, 1), RowRange(4, 8), RowRange(17, 128))
@@ -87,6 +93,33 @@ def test_a_candidate_with_a_row_limit_is_kept_out_of_ranges_beyond_it():
     assert max(rows for _, rows in costs.ran) == 8
     with pytest.raises(ValueError, match="no candidate takes rows 17"):
         chooser.choose(torch.randn(2, 4), "w8a16", (2, 4), cands[:1])
+
+
+def test_processes_of_one_machine_take_the_first_published_choice(tmp_path):
+    """Two workers whose timings disagree (load on the machine) still run the same
+    implementation: the second takes the first's choice from the store, timing nothing;
+    a stored choice naming an unknown candidate is not trusted."""
+    store = ChoiceStore(tmp_path, "cpu|2|torch")
+    first, second = FakeCosts(), FakeCosts()
+    a = LinearChooser(RANGES, clock=first.clock, store=store).choose(
+        torch.randn(6, 4), "fp32", (6, 4),
+        [first.impl("mkl", lambda rows: 1.0), first.impl("onednn", lambda rows: 2.0)])
+    b = LinearChooser(RANGES, clock=second.clock, store=store).choose(
+        torch.randn(6, 4), "fp32", (6, 4),
+        [second.impl("mkl", lambda rows: 2.0), second.impl("onednn", lambda rows: 1.0)])
+    assert a.choice.names == b.choice.names == ("mkl",) * 3
+    assert second.ran == [] and second.packed == ["mkl"]
+    # Another machine (or torch) keys its own choice.
+    other = ChoiceStore(tmp_path, "other cpu|2|torch")
+    assert other.get("fp32", (6, 4), RANGES, ["mkl", "onednn"]) is None
+    # A choice of candidates this build does not have is measured again.
+    path = next(tmp_path.glob("*.json"))
+    path.write_text('{"names": ["gone", "gone", "gone"]}')
+    third = FakeCosts()
+    c = LinearChooser(RANGES, clock=third.clock, store=store).choose(
+        torch.randn(6, 4), "fp32", (6, 4),
+        [third.impl("mkl", lambda rows: 2.0), third.impl("onednn", lambda rows: 1.0)])
+    assert c.choice.names == ("onednn",) * 3 and third.ran
 
 
 def test_a_call_over_its_budget_is_not_repeated():

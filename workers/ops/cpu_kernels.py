@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from workers.loading.checkpoint import cache_root
 from workers.ops.base import AttentionMetadata
-from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl
+from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
 from workers.ops.quant_linear import Int8Weight, w8a8_linear, w8a16_blocked
 from workers.ops.torch_ref import TorchOps
 
@@ -117,7 +117,7 @@ class CpuOps(TorchOps):
     name = "cpu"
 
     def __init__(self, chooser: LinearChooser | None = None) -> None:
-        self.chooser = chooser or LinearChooser()
+        self.chooser = chooser or LinearChooser(store=default_store())
 
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
                     quantization: str = "none") -> torch.Tensor | Int8Weight | ChosenLinear:

@@ -8,15 +8,26 @@ batch-size range, and keep the fastest per range. A choice is made once per dist
 weight (kind, shape) and reused by every layer of that shape, so loading a model pays a
 few timings per shape (the default model: five shapes, about 0.2 s, most of it the LM
 head), each candidate bounded by a small time budget.
+
+The first process on a machine to time a (kind, shape) publishes its choice in a file;
+every later process (the other workers of a cell, a restarted one) takes it from there
+rather than timing again. Timings vary with load, and two implementations round fp32
+differently, so two workers choosing apart would make a handed-off sequence's greedy
+text depend on which worker ran which step.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,15 +98,78 @@ class ChosenLinear:
         return run(x, packed, bias)
 
 
+class ChoiceStore:
+    """Choices shared by the processes of one machine: a file per (kind, shape, row
+    ranges, candidates) under ``directory``, keyed also by ``machine`` (the processor and
+    torch). The first choice published wins; a later one reads it instead."""
+
+    def __init__(self, directory: Path, machine: str) -> None:
+        self.directory, self.machine = directory, machine
+
+    def _path(self, kind: str, shape: tuple[int, int], ranges: Sequence[RowRange],
+              candidates: Sequence[str]) -> Path:
+        key = json.dumps([self.machine, kind, shape, [(r.first, r.timed) for r in ranges],
+                          sorted(candidates)])
+        return self.directory / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def get(self, kind: str, shape: tuple[int, int], ranges: Sequence[RowRange],
+            candidates: Sequence[str]) -> tuple[str, ...] | None:
+        try:
+            names = tuple(json.loads(self._path(kind, shape, ranges, candidates)
+                                     .read_text())["names"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        ok = len(names) == len(ranges) and set(names) <= set(candidates)
+        return names if ok else None
+
+    def publish(self, kind: str, shape: tuple[int, int], ranges: Sequence[RowRange],
+                candidates: Sequence[str], names: tuple[str, ...]) -> tuple[str, ...]:
+        """Publish ``names`` unless a choice is there already; the names to use."""
+        path = self._path(kind, shape, ranges, candidates)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"kind": kind, "shape": shape, "names": names}, f)
+            try:
+                os.link(tmp, path)   # atomic, and fails if another process got there first
+            finally:
+                os.unlink(tmp)
+        except FileExistsError:
+            pass
+        except OSError as e:   # a read-only cache: this process keeps its own choice
+            log.warning("linear choices not shared (%s): %s", path, e)
+            return names
+        return self.get(kind, shape, ranges, candidates) or names
+
+
+def default_store() -> ChoiceStore:
+    """The machine's store in the engine's cache directory."""
+    from workers.loading.checkpoint import cache_root
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo()
+                if line.startswith("model name")), "unknown cpu")
+    machine = f"{cpu}|{os.cpu_count()}|torch {torch.__version__}"
+    return ChoiceStore(cache_root() / "linear_choice", machine)
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 class LinearChooser:
     """Times candidates on a weight, per row range, and remembers the choice per (kind,
     shape). ``clock`` is injectable so that a test can give candidates known costs."""
 
     def __init__(self, ranges: Sequence[RowRange] = ROW_RANGES,
                  clock: Callable[[], float] = time.perf_counter, repeats: int = 3,
-                 budget_s: float = 0.02) -> None:
+                 budget_s: float = 0.02, store: ChoiceStore | None = None) -> None:
         self.ranges = tuple(ranges)
         self.clock, self.repeats, self.budget_s = clock, repeats, budget_s
+        self.store = store
         self.choices: dict[tuple[str, tuple[int, int]], LinearChoice] = {}
 
     def choose(self, weight: Any, kind: str, shape: tuple[int, int],
@@ -107,14 +181,32 @@ class LinearChooser:
         choice = self.choices.get(key)
         packed = {}
         if choice is None:
+            choice = self._stored(kind, shape, list(by_name))
+        if choice is None:
             packed = {c.name: c.pack(weight) for c in candidates}
             choice = self._measure(kind, shape, candidates, packed)
+            if self.store is not None:
+                names = self.store.publish(kind, shape, self.ranges, list(by_name),
+                                           choice.names)
+                if names != choice.names:   # another process chose first: take its choice
+                    choice = LinearChoice(kind, shape, self.ranges, names,
+                                          tuple({} for _ in names))
             self.choices[key] = choice
             log.info("%s", choice.describe())
         for name in set(choice.names) - packed.keys():
             packed[name] = by_name[name].pack(weight)
         runs = tuple((by_name[n].run, packed[n]) for n in choice.names)
         return ChosenLinear(choice, shape[0], tuple(r.first for r in self.ranges), runs)
+
+    def _stored(self, kind: str, shape: tuple[int, int],
+                candidates: list[str]) -> LinearChoice | None:
+        names = (None if self.store is None
+                 else self.store.get(kind, shape, self.ranges, candidates))
+        if names is None:
+            return None
+        choice = LinearChoice(kind, shape, self.ranges, names, tuple({} for _ in names))
+        log.info("%s (this machine's earlier choice)", choice.describe())
+        return choice
 
     def _measure(self, kind: str, shape: tuple[int, int], candidates: Sequence[LinearImpl],
                  packed: dict[str, Any]) -> LinearChoice:
