@@ -104,11 +104,13 @@ def test_processes_of_one_machine_take_the_first_published_choice(tmp_path):
     a = LinearChooser(RANGES, clock=first.clock, store=store).choose(
         torch.randn(6, 4), "fp32", (6, 4),
         [first.impl("mkl", lambda rows: 1.0), first.impl("onednn", lambda rows: 2.0)])
-    b = LinearChooser(RANGES, clock=second.clock, store=store).choose(
-        torch.randn(6, 4), "fp32", (6, 4),
-        [second.impl("mkl", lambda rows: 2.0), second.impl("onednn", lambda rows: 1.0)])
+    chooser = LinearChooser(RANGES, clock=second.clock, store=store)
+    cands = [second.impl("mkl", lambda rows: 2.0), second.impl("onednn", lambda rows: 1.0)]
+    b = chooser.choose(torch.randn(6, 4), "fp32", (6, 4), cands)
     assert a.choice.names == b.choice.names == ("mkl",) * 3
     assert second.ran == [] and second.packed == ["mkl"]
+    chooser.choose(torch.randn(6, 4), "fp32", (6, 4), cands)   # read once, then remembered
+    assert list(chooser.choices) == [("fp32", (6, 4))]
     # Another machine (or torch) keys its own choice.
     other = ChoiceStore(tmp_path, "other cpu|2|torch")
     assert other.get("fp32", (6, 4), RANGES, ["mkl", "onednn"]) is None
@@ -134,7 +136,7 @@ def test_a_call_over_its_budget_is_not_repeated():
 def cpu_ops() -> CpuOps:
     problem = load_cpu_kernels()
     assert problem is None, f"CPU kernels failed to build: {problem}"
-    return CpuOps()
+    return CpuOps(LinearChooser())   # no store: every shape is timed in this process
 
 
 @pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16"])

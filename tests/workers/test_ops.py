@@ -10,6 +10,7 @@ import torch
 
 from workers.ops import AttentionMetadata, PrefillSegment, TorchOps
 from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels, onednn_linear_problem
+from workers.ops.linear_choice import LinearChooser
 
 KVH, H, D = 2, 6, 16
 
@@ -32,7 +33,7 @@ def all_ops():
     """Every ops implementation this machine can run; the CPU kernels must build here."""
     problem = load_cpu_kernels()
     assert problem is None, f"CPU kernels failed to build: {problem}"
-    return [TorchOps(), CpuOps()]
+    return [TorchOps(), CpuOps(LinearChooser())]   # no store: shapes are timed here
 
 
 def scatter_sequences(lengths, block_size, num_blocks, seed, dtype=torch.float32):

@@ -180,8 +180,8 @@ class LinearChooser:
         by_name = {c.name: c for c in candidates}
         choice = self.choices.get(key)
         packed = {}
-        if choice is None:
-            choice = self._stored(kind, shape, list(by_name))
+        if choice is None and (choice := self._stored(kind, shape, list(by_name))):
+            self.choices[key] = choice
         if choice is None:
             packed = {c.name: c.pack(weight) for c in candidates}
             choice = self._measure(kind, shape, candidates, packed)
