@@ -178,21 +178,14 @@ class LinearChooser:
         first weight of a (kind, shape) is timed, later ones reuse its choice."""
         key = (kind, shape)
         by_name = {c.name: c for c in candidates}
+        packed: dict[str, Any] = {}
         choice = self.choices.get(key)
-        packed = {}
-        if choice is None and (choice := self._stored(kind, shape, list(by_name))):
-            self.choices[key] = choice
         if choice is None:
-            packed = {c.name: c.pack(weight) for c in candidates}
-            choice = self._measure(kind, shape, candidates, packed)
-            if self.store is not None:
-                names = self.store.publish(kind, shape, self.ranges, list(by_name),
-                                           choice.names)
-                if names != choice.names:   # another process chose first: take its choice
-                    choice = LinearChoice(kind, shape, self.ranges, names,
-                                          tuple({} for _ in names))
+            choice = self._stored(kind, shape, list(by_name))
+            if choice is None:
+                packed = {c.name: c.pack(weight) for c in candidates}
+                choice = self._measured(kind, shape, candidates, packed)
             self.choices[key] = choice
-            log.info("%s", choice.describe())
         for name in set(choice.names) - packed.keys():
             packed[name] = by_name[name].pack(weight)
         runs = tuple((by_name[n].run, packed[n]) for n in choice.names)
@@ -206,6 +199,18 @@ class LinearChooser:
             return None
         choice = LinearChoice(kind, shape, self.ranges, names, tuple({} for _ in names))
         log.info("%s (this machine's earlier choice)", choice.describe())
+        return choice
+
+    def _measured(self, kind: str, shape: tuple[int, int], candidates: Sequence[LinearImpl],
+                  packed: dict[str, Any]) -> LinearChoice:
+        """Timed here, then published; another process's choice published first wins."""
+        choice = self._measure(kind, shape, candidates, packed)
+        if self.store is not None:
+            names = self.store.publish(kind, shape, self.ranges,
+                                       [c.name for c in candidates], choice.names)
+            if names != choice.names:
+                choice = LinearChoice(kind, shape, self.ranges, names, tuple({} for _ in names))
+        log.info("%s", choice.describe())
         return choice
 
     def _measure(self, kind: str, shape: tuple[int, int], candidates: Sequence[LinearImpl],
