@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.test_npu_backend import KVH, D, H, scatter_sequences
-from workers.ops import AttentionMetadata, PrefillSegment, TorchOps, get_ops
+from tests.workers.test_npu_backend import D, H, paged_case
+from workers.ops import TorchOps, get_ops
 from workers.ops.cuda import CudaOps
 
 
@@ -43,35 +43,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 calls: list = []
 
 
-def paged_case(block_size):
-    decode_lens, prefill = [1, 37, 300], [(20, 20), (9, 130)]
-    cache, tables, ctx = scatter_sequences(decode_lens + [c for _, c in prefill], block_size,
-                                           num_blocks=40, seed=block_size, dtype=torch.float32)
-    g = torch.Generator().manual_seed(1)
-    n = len(decode_lens) + sum(q for q, _ in prefill)
-    q = torch.randn(n, H, D, generator=g)
-    k, v = torch.empty(n, KVH, D), torch.empty(n, KVH, D)
-    width = max(len(t) for t in tables[:3])
-    dec = torch.zeros(3, width, dtype=torch.long)
-    for i in range(3):
-        dec[i, :len(tables[i])] = tables[i]
-        k[i], v[i] = ctx[i][0][-1], ctx[i][1][-1]
-    segments, start = [], 3
-    for j, (ql, cl) in enumerate(prefill):
-        k[start:start + ql], v[start:start + ql] = ctx[3 + j][0][cl - ql:], ctx[3 + j][1][cl - ql:]
-        segments.append(PrefillSegment(start, ql, cl, tables[3 + j]))
-        start += ql
-    meta = AttentionMetadata(torch.zeros(n, dtype=torch.long), 3, dec,
-                             torch.tensor(decode_lens), segments, block_size)
-    return q, k, v, cache, meta
-
-
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_sdpa_path_matches_the_reference(block_size):
     ops = get_ops(torch.device("cpu"), "cuda")
     assert isinstance(ops, CudaOps) and ops.name == "cuda"
     ops.flash = None                       # whatever this machine has installed
-    q, k, v, cache, meta = paged_case(block_size)
+    q, k, v, cache, meta = paged_case(block_size, torch.float32)
     want = TorchOps().attention(q, k, v, cache, meta, D ** -0.5)
     torch.testing.assert_close(ops.attention(q, k, v, cache, meta, D ** -0.5), want,
                                atol=2e-5, rtol=1e-4)
@@ -81,7 +58,7 @@ def test_sdpa_path_matches_the_reference(block_size):
 def test_flash_path_calls_the_paged_kernel_on_256_token_pages(block_size):
     calls.clear()
     ops = CudaOps(flash_attn_with_kvcache)
-    q, k, v, cache, meta = paged_case(block_size)
+    q, k, v, cache, meta = paged_case(block_size, torch.float32)
     want = TorchOps().attention(q, k, v, cache, meta, D ** -0.5)
     torch.testing.assert_close(ops.attention(q, k, v, cache, meta, D ** -0.5), want,
                                atol=2e-5, rtol=1e-4)

@@ -32,6 +32,32 @@ def scatter_sequences(lengths, block_size, num_blocks, seed, dtype):
         contexts.append((flat[0], flat[1]))
     return cache, tables, contexts
 
+def paged_case(block_size, dtype):
+    """A mixed batch over a scattered paged cache of ``dtype``: 3 decodes (contexts 1, 37
+    and 300) and 2 prefill chunks ((query, context) = (20, 20) and (9, 130)); the new
+    tokens' keys and values are those already in the cache."""
+    decode_lens, prefill = [1, 37, 300], [(20, 20), (9, 130)]
+    cache, tables, ctx = scatter_sequences(decode_lens + [c for _, c in prefill], block_size,
+                                           num_blocks=40, seed=block_size, dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    n = len(decode_lens) + sum(q for q, _ in prefill)
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    k, v = torch.empty(n, KVH, D), torch.empty(n, KVH, D)
+    width = max(len(t) for t in tables[:3])
+    dec = torch.zeros(3, width, dtype=torch.long)
+    for i in range(3):
+        dec[i, :len(tables[i])] = tables[i]
+        k[i], v[i] = ctx[i][0][-1], ctx[i][1][-1]
+    segments, start = [], 3
+    for j, (ql, cl) in enumerate(prefill):
+        k[start:start + ql], v[start:start + ql] = ctx[3 + j][0][cl - ql:], ctx[3 + j][1][cl - ql:]
+        segments.append(PrefillSegment(start, ql, cl, tables[3 + j]))
+        start += ql
+    meta = AttentionMetadata(torch.zeros(n, dtype=torch.long), 3, dec,
+                             torch.tensor(decode_lens), segments, block_size)
+    return q, k, v, cache, meta
+
+
 
 def npu_ops(fake_npu, layout, **kw):
     state = fake_npu(soc=SOCS[layout], **kw)
@@ -100,25 +126,7 @@ def test_an_older_release_writes_through_npu_scatter_pa_kv_cache(fake_npu):
 def test_decode_and_chunked_prefill_match_the_reference(fake_npu, layout, block_size):
     ops, state = npu_ops(fake_npu, layout)
     scale = D ** -0.5
-    decode_lens, prefill = [1, 37, 300], [(20, 20), (9, 130)]   # (query, context)
-    cache, tables, ctx = scatter_sequences(decode_lens + [c for _, c in prefill], block_size,
-                                           num_blocks=40, seed=block_size, dtype=torch.float16)
-    g = torch.Generator().manual_seed(1)
-    n = len(decode_lens) + sum(q for q, _ in prefill)
-    q = torch.randn(n, H, D, generator=g).half()
-    k, v = torch.empty(n, KVH, D), torch.empty(n, KVH, D)   # the new tokens: already cached
-    width = max(len(t) for t in tables[:3])
-    dec = torch.zeros(3, width, dtype=torch.long)
-    for i in range(3):
-        dec[i, :len(tables[i])] = tables[i]
-        k[i], v[i] = ctx[i][0][-1], ctx[i][1][-1]
-    segments, start = [], 3
-    for j, (ql, cl) in enumerate(prefill):
-        k[start:start + ql], v[start:start + ql] = ctx[3 + j][0][cl - ql:], ctx[3 + j][1][cl - ql:]
-        segments.append(PrefillSegment(start, ql, cl, tables[3 + j]))
-        start += ql
-    meta = AttentionMetadata(torch.zeros(n, dtype=torch.long), 3, dec,
-                             torch.tensor(decode_lens), segments, block_size)
+    q, k, v, cache, meta = paged_case(block_size, torch.float16)
     want = TorchOps().attention(q.float(), k, v, cache, meta, scale)
     got = ops.attention(q.float(), k, v, as_layout(cache, layout, ops, state), meta, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
