@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # KV written by the kernel
 DECODE_KV_DTYPES = (*KERNEL_DTYPES, torch.int8)  # KV the decode kernel reads
+_LIBRARY = "llm_cluster_cpu_kernels"
 W8A16_KERNEL_ROWS = 16  # the C++ weight-only int8 kernel's batch limit (see its source)
 
 
@@ -84,8 +85,6 @@ def load_cpu_kernels() -> str | None:
         return f"{type(e).__name__}: {e}"
     return None
 
-
-_LIBRARY = "llm_cluster_cpu_kernels"
 
 
 def _build(files: list[Path], library: Path) -> None:
