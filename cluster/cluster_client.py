@@ -134,23 +134,27 @@ class ClusterClient:
         return _get(self.scheduler.stats.remote())
 
     async def astats(self) -> CellStats:
+        scheduler = self.scheduler
         try:
-            return await _aget(self.scheduler.stats.remote())
+            return await _aget(scheduler.stats.remote())
         except RayActorError:
-            if not self._reattach():
+            if not self._reattach(scheduler):
                 raise
             return await _aget(self.scheduler.stats.remote())
 
-    def _reattach(self) -> bool:
-        """Take the scheduler now under this client's name if it is another actor than
-        the one held (the cell was relaunched); whether it is."""
+    def _reattach(self, lost: Any) -> bool:
+        """Hold the scheduler now under this client's name if it is another actor than
+        ``lost``, the one a call just found gone (the cell was relaunched); whether
+        there is one to retry on. Compared with ``lost``, not with the handle held:
+        of concurrent calls that found it gone, the first swaps the handle and the
+        others must retry too."""
         if self.name is None:
             return False
         try:
             actor = ray.get_actor(self.name, namespace=NAMESPACE)
         except ValueError:
             return False
-        if actor._actor_id == self.scheduler._actor_id:
+        if actor._actor_id == lost._actor_id:
             return False
         self.scheduler = actor
         return True
@@ -169,17 +173,18 @@ class ClusterClient:
         choices = self._choices(rid, params) if sample_index is None else \
             [(rid, params, sample_index)]
         for attempt in range(2):
+            scheduler = self.scheduler
             try:
                 for cid, choice, k in choices:
-                    await _aget(self.scheduler.submit.remote(cid, prompt_token_ids, choice,
-                                                             priority, self.client_id, k))
+                    await _aget(scheduler.submit.remote(cid, prompt_token_ids, choice,
+                                                        priority, self.client_id, k))
                 break
             except RayActorError:   # gone: under its name may be a relaunched cell's
-                if attempt or not self._reattach():
+                if attempt or not self._reattach(scheduler):
                     self._forget(rid)
                     raise
             except BaseException:
-                await _abort_all(self.scheduler, self._children(rid))
+                await _abort_all(scheduler, self._children(rid))
                 self._forget(rid)
                 raise
         for cid, choice, k in choices:
