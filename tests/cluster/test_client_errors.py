@@ -22,32 +22,24 @@ _INTERNALS = re.compile(r"[0-9a-f]{16,}|pid|\b\d{1,3}(\.\d{1,3}){3}\b|memory|act
 
 
 @pytest.fixture(scope="module")
-def dead_scheduler(ray_instance, free_ports, tiny_factory) -> Iterator[str]:
+def dead_scheduler(serve_apps, tiny_factory) -> Iterator[str]:
     """A served tiny model whose scheduler was killed for good (no restart)."""
     import ray
-    from ray import serve
 
     from cluster.scheduler_actor import NAMESPACE, scheduler_name
-    from cluster.serve_app import app_for
 
-    (port,) = free_ports(1)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = config_from_dict({
         "model": {"path": tiny_factory("llama").path},
         "cache": {"kv_cache_bytes": 8 << 20},
         "cluster": {"name": "client-errors",
                     "pools": [{"role": "mixed", "resources": {"CPU": 0.25}}]}})
-    try:
-        serve.run(app_for(config), name="errors", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+    with serve_apps({"/": config}) as url:
         ok = httpx.post(f"{url}/v1/completions", timeout=_TIMEOUT_S, json={
             "model": Path(config.model.path).name, "prompt": [1, 2, 3], "max_tokens": 2})
         assert ok.status_code == 200, ok.text
         ray.kill(ray.get_actor(scheduler_name("client-errors"), namespace=NAMESPACE),
                  no_restart=True)
         yield url
-    finally:
-        serve.shutdown()
 
 
 def _model(url: str) -> str:

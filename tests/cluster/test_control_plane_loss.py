@@ -28,26 +28,16 @@ from benchmarks.control_plane_loss import (
 pytestmark = pytest.mark.slow
 
 STREAMS, MAX_TOKENS = 24, 24
-APP = "control-plane"
+APP = "default"   # the name serve_apps gives the app at "/"
 _TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="module")
-def server(ray_instance, free_ports) -> Iterator[tuple[str, str]]:
+def server(serve_apps) -> Iterator[tuple[str, str]]:
     """(url, model id) of the served default model, 1 prefill + 1 decode worker."""
-    from ray import serve
-
-    from cluster.serve_app import app_for
-
-    (port,) = free_ports(1)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(app_for(app_config()), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+    with serve_apps({"/": app_config()}) as url:
         model = httpx.get(f"{url}/v1/models", timeout=_TIMEOUT_S).json()["data"][0]["id"]
         yield url, model
-    finally:
-        serve.shutdown()
 
 
 @pytest.fixture(scope="module")
