@@ -138,3 +138,22 @@ def test_the_fused_per_token_quantization_equals_the_torch_definition():
     want_q, want_s = quantize_rows(x)
     assert torch.equal(q, want_q) and torch.equal(s, want_s)
     assert q[5, :3].tolist() == [127, 0, -2]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fused_rescale_equals_the_torch_definition(with_bias):
+    """The CPU ops' one-pass W8A8 rescale gives the reference ops' output bit for bit:
+    the int32 product times the row's, then the column's scale, the bias added after
+    that product is rounded (no fused multiply-add)."""
+    from workers.ops.quant_linear import quantize_rows
+
+    all_ops()
+    x, w, bias = inputs(37, seed=11)
+    bias = bias if with_bias else None
+    got = CpuOps().linear(x, CpuOps().pack_linear(w, "w8a8"), bias)
+    int8 = TorchOps().pack_linear(w, "w8a8")
+    qx, sx = quantize_rows(x)
+    acc = (qx.long() @ int8.qweight.long().t()).to(torch.int32)   # exact
+    want = acc.float() * sx[:, None] * int8.scale
+    assert torch.equal(got, want + bias if with_bias else want)
+    assert torch.equal(got, TorchOps().linear(x, int8, bias))

@@ -40,8 +40,8 @@ from workers.ops.torch_ref import TorchOps
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # KV written by the kernel
-DECODE_KV_DTYPES = (*KERNEL_DTYPES, torch.int8)  # KV the decode kernel reads
+# KV the kernels write and the decode kernel reads
+KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 _LIBRARY = "llm_cluster_cpu_kernels"
 W8A16_KERNEL_ROWS = 16  # the C++ weight-only int8 kernel's batch limit (see its source)
 
@@ -168,7 +168,7 @@ class CpuOps(TorchOps):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        if k.dtype != torch.float32 or kv_cache.dtype not in KERNEL_DTYPES:
+        if k.dtype != torch.float32 or kv_cache.dtype not in KERNEL_KV_DTYPES:
             return super().write_kv(k, v, kv_cache, slot_mapping)
         torch.ops.llm_cluster.write_kv(k, v, kv_cache, slot_mapping)
 
@@ -179,7 +179,7 @@ class CpuOps(TorchOps):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        if q.dtype != torch.float32 or kv_cache.dtype not in DECODE_KV_DTYPES:
+        if q.dtype != torch.float32 or kv_cache.dtype not in KERNEL_KV_DTYPES:
             return super()._decode(q, kv_cache, meta, scale)
         tables, lens = meta.decode_head_tables, meta.decode_head_lens
         if tables is None:
@@ -203,14 +203,14 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
 
 def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight,
                       bias: torch.Tensor | None) -> torch.Tensor:
-    """``w8a8_linear`` with its per-token quantization in one C++ pass (fp32 rows)."""
+    """``w8a8_linear`` with its per-token quantization and its rescale each in one C++
+    pass (fp32 rows)."""
     if x.dtype != torch.float32:
         return w8a8_linear(x, weight, bias)
     shape = x.shape
     qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, shape[-1]).contiguous())
-    out = torch._int_mm(qx, weight.qweight_t).float().mul_(sx[:, None]).mul_(weight.scale)
-    if bias is not None:
-        out.add_(bias)
+    out = torch.ops.llm_cluster.dequantize_int32(torch._int_mm(qx, weight.qweight_t), sx,
+                                                 weight.scale, bias)
     return out.reshape(*shape[:-1], weight.out_features)
 
 

@@ -92,14 +92,58 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   return {q, scale};
 }
 
+// W8A8's epilogue in one pass: out = float(acc) * row_scale[r] * col_scale[c] (+ bias[c]),
+// in that order, as quant_linear.w8a8_linear computes it with three or four torch ops
+// (a conversion, two scalings and the bias, each its own pass over the output).
+at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,
+                            const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(),
+              "dequantize_int32: acc must be contiguous int32 [rows, cols]");
+  const int64_t rows = acc.size(0), cols = acc.size(1);
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+                  row_scale.numel() == rows,
+              "dequantize_int32: row_scale must be contiguous float32 [rows]");
+  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
+                  col_scale.numel() == cols,
+              "dequantize_int32: col_scale must be contiguous float32 [cols]");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == cols,
+                "dequantize_int32: bias must be contiguous float32 [cols]");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = at::empty({rows, cols}, acc.options().dtype(at::kFloat));
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* rp = row_scale.data_ptr<float>();
+  const float* cp = col_scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int32_t* ar = ap + r * cols;
+      float* orow = op + r * cols;
+      const float rs = rp[r];
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) orow[c] = static_cast<float>(ar[c]) * rs * cp[c];
+      if (bp != nullptr) {  // a second loop over the row, still in cache: the product is
+#pragma omp simd        // rounded before the add, as the torch ops round it (no FMA)
+        for (int64_t c = 0; c < cols; ++c) orow[c] += bp[c];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("int8_weight_linear(Tensor x, Tensor qweight, Tensor scale) -> Tensor");
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
+  m.def("dequantize_int32(Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("int8_weight_linear", &int8_weight_linear);
   m.impl("quantize_rows_int8", &quantize_rows_int8);
+  m.impl("dequantize_int32", &dequantize_int32);
 }
