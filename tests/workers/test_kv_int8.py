@@ -44,6 +44,30 @@ def dense(q, keys, values, scale):
     return out
 
 
+def test_the_cpu_kernel_writes_the_rows_the_definition_stores():
+    """The C++ write quantizes as ``kv_quant.quantize_rows`` does, byte for byte: heads
+    of very different sizes, a zero head, one whose scale falls below fp16's range,
+    and values on a rounding tie; the other slots stay untouched."""
+    from kvcache.kv_quant import quantize_rows
+
+    all_ops()
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(40, KVH, D, generator=g) * torch.logspace(-4, 4, 40)[:, None, None]
+    v = torch.randn(40, KVH, D, generator=g)
+    k[3, 0], k[4, 1] = 0.0, 1e-9
+    v[5, 0] = 0.0
+    v[5, 0, :3] = torch.tensor([127.0, 0.5, -2.5])   # scale 1: ties at 0.5 and -2.5
+    slots = torch.randperm(32 * BS, generator=g)[:40]
+    got = torch.full((2, 32, BS, KVH, D + 2), 7, dtype=torch.int8)
+    want = got.clone()
+    torch.ops.llm_cluster.write_kv(k, v, got, slots)   # the kernel itself, no fallback
+    TorchOps().write_kv(k, v, want, slots)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1].view(-1, KVH, D + 2)[slots[5], 0, :3],
+                       torch.tensor([127, 0, -2], dtype=torch.int8))
+    assert torch.equal(want[0].view(-1, KVH, D + 2)[slots], quantize_rows(k))
+
+
 @pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
 def test_int8_cache_write_decode_and_prefill_match_dequantized_dense(ops):
     g = torch.Generator().manual_seed(0)

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -137,6 +138,44 @@ inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
 }
 
+// One token's KV heads as int8 rows, as kvcache/kv_quant.py defines them: each head's
+// `dim` values quantized with the fp16-rounded scale amax / 127 (1 for a zero head or
+// one whose scale falls below fp16's range), then the scale's 2 bytes.
+inline void quantize_heads(const float* src, int8_t* dst, int64_t heads, int64_t dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* x = src + h * dim;
+    int8_t* q = dst + h * (dim + 2);
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+    at::Half half_scale = static_cast<at::Half>(amax > 0.f ? amax / 127.f : 1.f);
+    if (!(static_cast<float>(half_scale) > 0.f)) half_scale = static_cast<at::Half>(1.f);
+    const float s = static_cast<float>(half_scale);
+    for (int64_t i = 0; i < dim; ++i)
+      q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / s))));
+    std::memcpy(q + dim, &half_scale, 2);
+  }
+}
+
+void write_rows_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
+                     const at::Tensor& slots) {
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t row = heads * (dim + 2), num_slots = cache.size(1) * cache.size(2);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  int8_t* kc = cache.data_ptr<int8_t>();
+  int8_t* vc = kc + cache.stride(0);
+  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t],
+                  " outside the pool of ", num_slots);
+      quantize_heads(kp + t * k.stride(0), kc + slot[t] * row, heads, dim);
+      quantize_heads(vp + t * v.stride(0), vc + slot[t] * row, heads, dim);
+    }
+  });
+}
+
 template <typename T>
 void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                 const at::Tensor& slots) {
@@ -157,7 +196,8 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
   });
 }
 
-// cache[0][slot[t]] = k[t], cache[1][slot[t]] = v[t], converted to the cache's type.
+// cache[0][slot[t]] = k[t], cache[1][slot[t]] = v[t], converted to the cache's type
+// (int8: quantized per token and head, see quantize_heads).
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
               const at::Tensor& slots) {
   check_rows(k, "write_kv: k");
@@ -165,9 +205,11 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(1) == k.size(2) &&
                   v.stride(1) == v.size(2),
               "write_kv: k and v must be [T, KVH, D] with contiguous heads");
+  const int64_t row = k.size(2) + (cache.scalar_type() == at::kChar ? 2 : 0);
   TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
-                  cache.size(3) == k.size(1) && cache.size(4) == k.size(2),
-              "write_kv: cache must be contiguous [2, blocks, block_size, KVH, D]");
+                  cache.size(3) == k.size(1) && cache.size(4) == row,
+              "write_kv: cache must be contiguous [2, blocks, block_size, KVH, D] "
+              "(D + 2 for int8: the values, then the scale)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == k.size(0),
               "write_kv: slot_mapping must be contiguous int64 [T]");
@@ -175,6 +217,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
     case at::kFloat: write_rows<float>(k, v, cache, slots); break;
     case at::kHalf: write_rows<at::Half>(k, v, cache, slots); break;
     case at::kBFloat16: write_rows<at::BFloat16>(k, v, cache, slots); break;
+    case at::kChar: write_rows_int8(k, v, cache, slots); break;
     default: TORCH_CHECK(false, "write_kv: unsupported cache dtype ", cache.scalar_type());
   }
 }
