@@ -9,9 +9,10 @@ ignored), so the time is the decode steps; every configuration runs once per rou
 rotating order, for ``--rounds`` rounds in one process on the same prompt; the median
 round is reported with its ratio to llama.cpp. Workload A: ``--requests`` requests of
 ``benchmarks.workloads.WORKLOAD_A`` (seed 0) submitted at once, prefix caching off,
-through the engine with fp32 + fp16 KV and with w8a8 + int8 KV, each with the fraction
-of its linear-layer roofline (``benchmarks.roofline``: the same linear layers, int8 for
-w8a8, timed alone at the step sizes the run had), and HF ``generate``. Capacity: the
+through the engine with fp32 + fp16 KV and with w8a8 + int8 KV, once per round in
+rotating order for ``--rounds`` rounds, each with the fraction of its linear-layer
+roofline (``benchmarks.roofline``: the same linear layers, int8 for w8a8, timed alone
+at the step sizes the run had), and HF ``generate`` once. Capacity: the
 KV blocks the engine allocates in ``--kv-bytes``, from its own pool sizing.
 
     python -m cluster bench quantization [--tokens 64] [--rounds 3] [--requests 64]
@@ -89,10 +90,17 @@ def decode_speeds(tokens: int, rounds: int) -> dict[str, list[float]]:
     return speeds
 
 
-def workload_a(requests: int) -> dict[str, PeerResult]:
-    """Workload A through the engine with fp32 + fp16 KV, then w8a8 + int8 KV (each with
-    its linear-layer roofline, timed after its run), then HF ``generate`` in static
-    batches of 64: one process, the same prompts."""
+ENGINE_RUNS = {   # Workload A's engine configurations: (label, engine.run settings)
+    "engine fp32, fp16 KV": {"kv_cache_dtype": "float16"},
+    "engine w8a8, int8 KV": {"kv_cache_dtype": "int8", "quantization": "w8a8"},
+}
+
+
+def workload_a(requests: int, rounds: int) -> tuple[dict[str, list[PeerResult]], PeerResult]:
+    """Workload A through the engine with fp32 + fp16 KV and with w8a8 + int8 KV, once
+    per round in rotating order (each run with its linear-layer roofline, timed after
+    it), then HF ``generate`` in static batches of 64 once: one process, the same
+    prompts. Interleaved rounds keep the ratio honest on a machine whose load changes."""
     import json
 
     from benchmarks.peers import engine, hf_static
@@ -101,13 +109,13 @@ def workload_a(requests: int) -> dict[str, PeerResult]:
     vocab = json.loads((default_hf_dir() / "config.json").read_text())["vocab_size"]
     work = generate(WORKLOAD_A, requests, 0, vocab)
     p, m = work.prompts, work.max_tokens
-    return {
-        "engine fp32, fp16 KV": engine.run(p, m, None, enable_prefix_caching=False,
-                                           kv_cache_dtype="float16"),
-        "engine w8a8, int8 KV": engine.run(p, m, None, enable_prefix_caching=False,
-                                           kv_cache_dtype="int8", quantization="w8a8"),
-        "HF generate fp32": hf_static.run(p, m, HF_BATCH),
-    }
+    runs: dict[str, list[PeerResult]] = {name: [] for name in ENGINE_RUNS}
+    names = list(ENGINE_RUNS)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(engine.run(p, m, None, enable_prefix_caching=False,
+                                         **ENGINE_RUNS[name]))
+    return runs, hf_static.run(p, m, HF_BATCH)
 
 
 def kv_capacity(kv_bytes: int) -> dict[str, int]:
@@ -120,7 +128,8 @@ def kv_capacity(kv_bytes: int) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per request")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of decode and of Workload A (default 3)")
     p.add_argument("--kv-bytes", type=int, default=256 << 20, help="KV budget for capacity")
     p.add_argument("--requests", type=int, default=64, help="Workload A requests (default 64)")
     p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="what to run")
@@ -128,7 +137,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if "decode" in args.parts:
         print_decode(args.tokens, args.rounds)
     if "workload-a" in args.parts:
-        print_workload_a(args.requests)
+        print_workload_a(args.requests, args.rounds)
     if "capacity" in args.parts:
         cap = kv_capacity(args.kv_bytes)
         print(f"\nKV capacity in {args.kv_bytes >> 20} MiB: fp16 {cap['float16']} blocks, "
@@ -147,16 +156,22 @@ def print_decode(tokens: int, rounds: int) -> None:
               f"| {ratio} |")
 
 
-def print_workload_a(requests: int) -> None:
-    results = workload_a(requests)
-    base = results["engine fp32, fp16 KV"].output_tokens_per_s
-    hf = results["HF generate fp32"].output_tokens_per_s
-    print(f"\nWorkload A, {requests} requests, greedy, prefix caching off\n\n"
-          "| run | output tok/s | ÷ engine fp32 | ÷ HF generate | linear-layer roofline |"
-          "\n|---|---|---|---|---|")
-    for name, r in results.items():
-        frac = r.extra.get("roofline_fraction")
-        roof = f"{frac:.1%} ({r.extra['roofline_s']:.1f} of {r.elapsed_s:.1f} s)" if frac \
-            else "n/a"
-        tps = r.output_tokens_per_s
-        print(f"| {name} | {tps:.1f} | {tps / base:.2f}x | {tps / hf:.2f}x | {roof} |")
+def print_workload_a(requests: int, rounds: int) -> None:
+    runs, hf = workload_a(requests, rounds)
+    base = [r.output_tokens_per_s for r in runs["engine fp32, fp16 KV"]]
+    hf_tps = hf.output_tokens_per_s
+    print(f"\nWorkload A, {requests} requests, greedy, prefix caching off, {rounds} "
+          "interleaved rounds (median; ÷ engine fp32 is the median of the rounds' "
+          "ratios)\n\n| run | output tok/s (median) | rounds | ÷ engine fp32 | "
+          "÷ HF generate | linear-layer roofline (median round) |\n|---|---|---|---|---|---|")
+    for name, results in runs.items():
+        tps = [r.output_tokens_per_s for r in results]
+        mid = sorted(results, key=lambda r: r.output_tokens_per_s)[len(results) // 2]
+        frac = mid.extra.get("roofline_fraction")
+        roof = f"{frac:.1%} ({mid.extra['roofline_s']:.1f} of {mid.elapsed_s:.1f} s)"
+        ratio = statistics.median(t / b for t, b in zip(tps, base))
+        print(f"| {name} | {statistics.median(tps):.1f} | "
+              f"{', '.join(f'{t:.1f}' for t in tps)} | {ratio:.2f}x | "
+              f"{statistics.median(tps) / hf_tps:.2f}x | {roof} |")
+    print(f"| HF generate fp32 | {hf_tps:.1f} | 1 run | "
+          f"{hf_tps / statistics.median(base):.2f}x | 1.00x | n/a |")
