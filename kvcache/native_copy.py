@@ -43,7 +43,8 @@ class NativeCopier:
                                                                     ctypes.c_uint32]
         self._blocks = lib.kv_copy_blocks_crc32c
         self._blocks.restype = _I64
-        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P]
+        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
+                                 _P]
 
     def copy_crc32c(self, dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
         """Copy ``src`` into ``dst`` (same byte length) and return the CRC32C of the bytes,
@@ -54,18 +55,20 @@ class NativeCopier:
         return self._copy(dst.ctypes.data, src.ctypes.data, src.nbytes, crc)
 
     def copy_blocks(self, src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray,
-                    dst_ids: np.ndarray, expected: np.ndarray, first: int, end: int,
-                    stop: ctypes.c_int) -> int | None:
+                    dst_ids: np.ndarray, expected: np.ndarray, regs: np.ndarray, first: int,
+                    end: int, stop: ctypes.c_int) -> int | None:
         """Rows ``first:end`` of a verified copy between ``(slabs, blocks, slab_bytes)``
-        pools (ids in range, checked by the caller): the first row whose CRC32C is not
-        ``expected``'s, else None; stops early once another share sets ``stop``."""
+        pools (ids in range, checked by the caller; fastest in ascending ``src_ids``),
+        ``regs`` (uint32, a row each) holding the running CRCs: the first row whose
+        CRC32C is not ``expected``'s, else None; stops early once another share sets
+        ``stop``."""
         if not (src.flags.c_contiguous and dst.flags.c_contiguous):
             raise ValueError("copy_blocks: expected C-contiguous (slabs, blocks, slab_bytes) "
                              "pools, as _slab_bytes gives")
         bad = self._blocks(dst.ctypes.data, dst.shape[1], dst_ids.ctypes.data,
                            src.ctypes.data, src.shape[1], src_ids.ctypes.data,
-                           expected.ctypes.data, src.shape[0], src.shape[2], first, end,
-                           ctypes.byref(stop))
+                           expected.ctypes.data, regs.ctypes.data, src.shape[0],
+                           src.shape[2], first, end, ctypes.byref(stop))
         return None if bad < 0 else int(bad)
 
 
