@@ -20,7 +20,8 @@
 #include <string.h>
 
 #define MIN_LANE 64   /* shorter runs take one lane: the joins would cost more */
-#define PREFETCH 256  /* bytes of each lane of the next run fetched ahead */
+#define PREFETCH 256  /* bytes of each lane of a later run fetched ahead... */
+#define AHEAD 2       /* ...this many runs ahead */
 
 typedef struct {
     size_t lane;              /* bytes per lane, a multiple of 8; 0: one lane */
@@ -115,8 +116,8 @@ uint32_t kv_copy_crc32c(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc
  * against expected[i]; regs[first:end] holds the running CRCs. Slab k of every block is
  * copied before slab k + 1 of any: with the blocks in ascending source order (the
  * caller sorts them) the reads sweep each slab's region upwards, nearly sequentially
- * when the ids are dense, and the start of the next run is prefetched while one is
- * copied (each run starts on a page the hardware prefetcher has not seen). Returns the
+ * when the ids are dense, and the start of a later run is prefetched while one is
+ * copied (each run starts on a page the hardware prefetcher has not seen), two runs ahead. Returns the
  * first i whose copy does not match (and sets *stop), or -1; returns early, with -1,
  * once *stop is set by another caller sharing it. */
 int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
@@ -136,8 +137,8 @@ int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64
         const uint8_t *s = src + k * src_step;
         uint8_t *d = dst + k * dst_step;
         for (int64_t i = first; i < end; i++) {
-            if (i + 1 < end) {
-                const char *next = (const char *)s + src_ids[i + 1] * slab_bytes;
+            if (i + AHEAD < end) {
+                const char *next = (const char *)s + src_ids[i + AHEAD] * slab_bytes;
                 for (size_t lane = 0; lane < 3; lane++)
                     for (size_t q = 0; q < PREFETCH; q += 64)
                         _mm_prefetch(next + lane * p.lane + q, _MM_HINT_T0);
