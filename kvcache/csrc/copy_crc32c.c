@@ -116,10 +116,10 @@ uint32_t kv_copy_crc32c(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc
  * against expected[i]; regs[first:end] holds the running CRCs. Slab k of every block is
  * copied before slab k + 1 of any: with the blocks in ascending source order (the
  * caller sorts them) the reads sweep each slab's region upwards, nearly sequentially
- * when the ids are dense, and the start of a later run is prefetched while one is
- * copied (each run starts on a page the hardware prefetcher has not seen), two runs ahead. Returns the
- * first i whose copy does not match (and sets *stop), or -1; returns early, with -1,
- * once *stop is set by another caller sharing it. */
+ * when the ids are dense, and the start of the run two ahead is prefetched while one
+ * is copied (each run starts on a page the hardware prefetcher has not seen). Returns
+ * the first i whose copy does not match (and sets *stop), or -1; returns early, with
+ * -1, once *stop is set by another caller sharing it. */
 int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
                               const uint8_t *src, int64_t src_pool_blocks,
                               const int64_t *src_ids, const uint64_t *expected,
