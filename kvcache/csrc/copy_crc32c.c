@@ -21,7 +21,7 @@
 
 #define MIN_LANE 64   /* shorter runs take one lane: the joins would cost more */
 #define PREFETCH 256  /* bytes of each lane of a later run fetched ahead... */
-#define AHEAD 2       /* ...this many runs ahead */
+#define AHEAD 3       /* ...this many runs ahead */
 
 typedef struct {
     size_t lane;              /* bytes per lane, a multiple of 8; 0: one lane */
@@ -116,7 +116,7 @@ uint32_t kv_copy_crc32c(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc
  * against expected[i]; regs[first:end] holds the running CRCs. Slab k of every block is
  * copied before slab k + 1 of any: with the blocks in ascending source order (the
  * caller sorts them) the reads sweep each slab's region upwards, nearly sequentially
- * when the ids are dense, and the start of the run two ahead is prefetched while one
+ * when the ids are dense, and the start of the run three ahead is prefetched while one
  * is copied (each run starts on a page the hardware prefetcher has not seen). Returns
  * the first i whose copy does not match (and sets *stop), or -1; returns early, with
  * -1, once *stop is set by another caller sharing it. */
