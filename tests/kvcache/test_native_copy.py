@@ -5,6 +5,7 @@ processes at once) and the fallback where it cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
 import subprocess
@@ -95,7 +96,7 @@ _BUILD = ("from kvcache.native_copy import native_copier; c = native_copier(); "
 def test_two_processes_building_at_once_both_load_one_library(tmp_path):
     if not BUILDABLE:
         pytest.skip("needs x86-64 and a C compiler")
-    env = {"LLM_CLUSTER_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    env = {**os.environ, "LLM_CLUSTER_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", _BUILD], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     paths = {p.communicate(timeout=120)[0].strip() for p in procs}
