@@ -7,8 +7,8 @@ one pool to another, both in shared segments as a worker's host pool is:
 - shm (the one-copy same-node transport), request to acknowledgement: export_shared (the
   sender sends the checksums it stored when the blocks were written) -> import_shared
   (the receiver maps the sender's segment, once, and copies each block into its pool,
-  hashing it while it is in cache, on torch's threads), in one process (the actor calls
-  that carry the description are not timed). The sender's hashing of the blocks, which
+  taking its CRC32C in the same pass, in C, on torch's threads), in one process (the
+  actor calls that carry the description are not timed). The sender's hashing of the blocks, which
   a worker does in the steps that fill them, is timed apart ("seal");
 - object store: export_blocks -> ray.put -> ray.get (same process, zero-copy read) ->
   import_blocks, checksum and all checks included, in parts of at most MAX_PART_BYTES as
@@ -58,6 +58,7 @@ from kvcache.kv_transport import (
     part_bounds,
     pool_checksums,
 )
+from kvcache.native_copy import native_copier
 from kvcache.shm_segment import PeerSegments, SharedSegment
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
@@ -286,12 +287,14 @@ def main() -> None:
         rows = [row for d in args.dtypes for row in run(d, args.tokens, args.repeats)]
     finally:
         ray.shutdown()
+    copy = "native C" if native_copier() is not None else "numpy + crc32c package"
     if args.json:
         print(json.dumps({"torch_threads": args.threads, "cold_store": args.cold_store,
-                          "rows": rows}, indent=2))
+                          "receiver_copy": copy, "rows": rows}, indent=2))
     else:
         print(f"torch threads: {args.threads}, median of >= {args.repeats} rounds, "
-              f"object store {'cold' if args.cold_store else 'written once'}\n")
+              f"object store {'cold' if args.cold_store else 'written once'}, "
+              f"receiver's copy: {copy}\n")
         print(markdown(rows))
 
 

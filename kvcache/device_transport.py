@@ -10,7 +10,7 @@ checks the description, the rows' shape and dtype and every row's checksum befor
 writes a byte into its pool.
 
 The checksum here is a row's 64-bit words summed with wrap-around, computed on the
-device by both sides: one reduction at device-memory speed (XXH3 has no device kernel
+device by both sides: one reduction at device-memory speed (CRC32C has no device kernel
 in torch), and any single changed byte changes the sum (``kv_transfer._checksum``).
 """
 

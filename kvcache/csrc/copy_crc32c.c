@@ -1,0 +1,159 @@
+/* Copy KV blocks and take each block's CRC32C in the same pass (SSE4.2 crc32).
+ *
+ * One crc32 instruction has a latency of three cycles and a throughput of one, so a
+ * run is split into three lanes whose CRCs advance side by side and are then joined:
+ * CRC(A|B) = shift(CRC(A), |B|) ^ CRC0(B), where shift() is a fixed linear map for a
+ * given lane length, applied with four table lookups (the tables are built per call
+ * from the instruction itself, so no polynomial arithmetic is written out here). Each
+ * 8-byte word is loaded once, stored to the destination and fed to its lane's CRC.
+ * The stores bypass the cache (movnti): a handoff is far larger than the cache, and
+ * cached stores first read every destination line (measured here, 3 GB of fp32 blocks
+ * in random order: 0.64 of memcpy's rate with cached stores, 0.74-0.78 streamed).
+ *
+ * CRC values in and out follow the usual CRC32C convention (initial and final XOR
+ * with 0xffffffff), as the `crc32c` Python package's do, so a running value chains.
+ */
+#include <emmintrin.h>
+#include <nmmintrin.h>
+#include <xmmintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MIN_LANE 64   /* shorter runs take one lane: the joins would cost more */
+#define PREFETCH 256  /* bytes of each lane of a later run fetched ahead... */
+#define AHEAD 3       /* ...this many runs ahead */
+
+typedef struct {
+    size_t lane;              /* bytes per lane, a multiple of 8; 0: one lane */
+    uint32_t shift[4][256];   /* register -> register after `lane` zero bytes, per byte */
+} plan_t;
+
+static uint32_t zeros(uint32_t reg, size_t n) {
+    uint64_t c = reg;
+    for (size_t i = 0; i < n; i += 8)
+        c = _mm_crc32_u64(c, 0);
+    return (uint32_t)c;
+}
+
+static void plan_init(plan_t *p, size_t n) {
+    p->lane = (n / 24) * 8;
+    if (p->lane < MIN_LANE) {
+        p->lane = 0;
+        return;
+    }
+    uint32_t bit[32];
+    for (int i = 0; i < 32; i++)
+        bit[i] = zeros(1u << i, p->lane);
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 256; b++) {
+            uint32_t r = 0;
+            for (int i = 0; i < 8; i++)
+                if (b >> i & 1)
+                    r ^= bit[8 * k + i];
+            p->shift[k][b] = r;
+        }
+}
+
+static inline uint32_t shift(const plan_t *p, uint32_t r) {
+    return p->shift[0][r & 255] ^ p->shift[1][r >> 8 & 255] ^ p->shift[2][r >> 16 & 255] ^
+           p->shift[3][r >> 24];
+}
+
+static inline uint64_t word(const uint8_t *s) {
+    uint64_t w;
+    memcpy(&w, s, 8);
+    return w;
+}
+
+/* One lane over n bytes: copy and advance the raw register. */
+static uint32_t lane1(uint8_t *dst, const uint8_t *src, size_t n, uint32_t reg) {
+    uint64_t c = reg;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w = word(src + i);
+        memcpy(dst + i, &w, 8);
+        c = _mm_crc32_u64(c, w);
+    }
+    uint32_t r = (uint32_t)c;
+    for (; i < n; i++) {
+        dst[i] = src[i];
+        r = _mm_crc32_u8(r, src[i]);
+    }
+    return r;
+}
+
+/* Copy n bytes src -> dst and return the raw register after them, starting from reg. */
+static uint32_t copy_run(const plan_t *p, uint8_t *dst, const uint8_t *src, size_t n,
+                         uint32_t reg) {
+    if (p->lane == 0)
+        return lane1(dst, src, n, reg);
+    const size_t L = p->lane;
+    uint64_t a = reg, b = 0, c = 0;
+    for (size_t i = 0; i < L; i += 8) {
+        uint64_t wa = word(src + i), wb = word(src + L + i), wc = word(src + 2 * L + i);
+        _mm_stream_si64((long long *)(dst + i), (long long)wa);
+        _mm_stream_si64((long long *)(dst + L + i), (long long)wb);
+        _mm_stream_si64((long long *)(dst + 2 * L + i), (long long)wc);
+        a = _mm_crc32_u64(a, wa);
+        b = _mm_crc32_u64(b, wb);
+        c = _mm_crc32_u64(c, wc);
+    }
+    uint32_t r = shift(p, shift(p, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;
+    return lane1(dst + 3 * L, src + 3 * L, n - 3 * L, r);
+}
+
+/* Copy n bytes and return their CRC32C continued from `crc` (0 to start). */
+uint32_t kv_copy_crc32c(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc) {
+    plan_t p;
+    plan_init(&p, n);
+    uint32_t r = ~copy_run(&p, dst, src, n, ~crc);
+    _mm_sfence();
+    return r;
+}
+
+/* Copy blocks src_ids[i] -> dst_ids[i] for i in [first, end) of pools laid out as
+ * (slabs, pool blocks, slab_bytes), checking each block's CRC32C over its slabs in order
+ * against expected[i]; regs[first:end] holds the running CRCs. Slab k of every block is
+ * copied before slab k + 1 of any: with the blocks in ascending source order (the
+ * caller sorts them) the reads sweep each slab's region upwards, nearly sequentially
+ * when the ids are dense, and the start of the run three ahead is prefetched while one
+ * is copied (each run starts on a page the hardware prefetcher has not seen). Returns
+ * the first i whose copy does not match (and sets *stop), or -1; returns early, with
+ * -1, once *stop is set by another caller sharing it. */
+int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
+                              const uint8_t *src, int64_t src_pool_blocks,
+                              const int64_t *src_ids, const uint64_t *expected,
+                              uint32_t *regs, int64_t slabs, int64_t slab_bytes,
+                              int64_t first, int64_t end, int *stop) {
+    plan_t p;
+    plan_init(&p, (size_t)slab_bytes);
+    const size_t dst_step = (size_t)(dst_pool_blocks * slab_bytes);
+    const size_t src_step = (size_t)(src_pool_blocks * slab_bytes);
+    for (int64_t i = first; i < end; i++)
+        regs[i] = 0xffffffffu;
+    for (int64_t k = 0; k < slabs; k++) {
+        if (__atomic_load_n(stop, __ATOMIC_RELAXED))
+            break;
+        const uint8_t *s = src + k * src_step;
+        uint8_t *d = dst + k * dst_step;
+        for (int64_t i = first; i < end; i++) {
+            if (i + AHEAD < end) {
+                const char *next = (const char *)s + src_ids[i + AHEAD] * slab_bytes;
+                for (size_t lane = 0; lane < 3; lane++)
+                    for (size_t q = 0; q < PREFETCH; q += 64)
+                        _mm_prefetch(next + lane * p.lane + q, _MM_HINT_T0);
+            }
+            regs[i] = copy_run(&p, d + dst_ids[i] * slab_bytes, s + src_ids[i] * slab_bytes,
+                               (size_t)slab_bytes, regs[i]);
+        }
+    }
+    _mm_sfence();
+    if (__atomic_load_n(stop, __ATOMIC_RELAXED))
+        return -1;
+    for (int64_t i = first; i < end; i++)
+        if ((uint64_t)~regs[i] != expected[i]) {
+            __atomic_store_n(stop, 1, __ATOMIC_RELAXED);
+            return i;
+        }
+    return -1;
+}

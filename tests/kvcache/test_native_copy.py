@@ -1,0 +1,116 @@
+"""The native copy + CRC32C: its CRC against the ``crc32c`` package (the oracle) on odd
+lengths and offsets, the verified block copy per dtype, the build on first use (two
+processes at once) and the fallback where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from kvcache import native_copy
+from kvcache.block_checksum import block_checksums, copy_verified
+from kvcache.kv_transport import _slab_bytes
+from kvcache.native_copy import native_copier
+from tests.kvcache.test_kv_transfer import make_meta
+from tests.kvcache.test_kv_transport import shared_pool
+
+REPO = Path(__file__).resolve().parents[2]
+BUILDABLE = platform.machine() == "x86_64" and shutil.which("cc") is not None
+
+
+@pytest.fixture
+def native():
+    copier = native_copier()
+    if copier is None:
+        pytest.skip("no native copy on this machine")
+    return copier
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs x86-64 and a C compiler")
+def test_the_native_copy_is_built_where_there_is_a_compiler():
+    """CI's machines can build it: the tests of the native path must not skip there."""
+    assert native_copier() is not None
+
+
+LENGTHS = [0, 1, 7, 8, 9, 63, 191, 192, 193, 200, 1000, 1537, 4097, 12289, 50001]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_copy_crc32c_is_the_packages_crc_at_odd_lengths_and_offsets(native, length):
+    rng = np.random.default_rng(length)
+    data = rng.integers(0, 256, length + 16, dtype=np.uint8)
+    for src_off, dst_off, start in [(0, 0, 0), (1, 3, 0), (5, 2, 0x12345678), (7, 7, 1)]:
+        src = data[src_off:src_off + length]
+        out = rng.integers(0, 256, length + 16, dtype=np.uint8)
+        guard = out.copy()
+        got = native.copy_crc32c(out[dst_off:dst_off + length], src, start)
+        assert got == crc32c.crc32c(src.tobytes(), value=start)
+        assert np.array_equal(out[dst_off:dst_off + length], src)
+        outside = np.r_[0:dst_off, dst_off + length:out.size]
+        assert np.array_equal(out[outside], guard[outside])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_the_verified_block_copy_is_bit_exact_and_refuses_a_flipped_byte(native, dtype):
+    """Expected checksums from the sender's side (the ``crc32c`` package over the slabs);
+    the native copy agrees on every block and finds a block whose source changed."""
+    meta = make_meta(dtype, (3, 16, 3, 8))   # slabs of 384 elements: 3 lanes and a tail
+    seg_s, src = shared_pool(meta, 10, seed=31)
+    seg_d, dst = shared_pool(meta, 10, seed=32)
+    s, d = _slab_bytes(src), _slab_bytes(dst)
+    src_ids, dst_ids = [7, 1, 9, 4, 0, 5], [2, 8, 0, 6, 3, 9]
+    sums = block_checksums(s, src_ids)
+    assert copy_verified(s, src_ids, d, dst_ids, sums, threads=2) is None
+    assert np.array_equal(d[:, dst_ids], s[:, src_ids])
+    for layer_d, layer_s in zip(dst, src, strict=True):
+        assert torch.equal(layer_d[:, dst_ids].view(torch.uint8),
+                           layer_s[:, src_ids].view(torch.uint8))
+    s[5, 9, 101] ^= 0x01   # block 9 is row 2: one bit of layer 2's V
+    assert copy_verified(s, src_ids, d, dst_ids, sums, threads=1) == 2
+    del s, d, src, dst
+    seg_s.close()
+    seg_d.close()
+
+
+def test_block_ids_outside_a_pool_are_refused(native):
+    src = np.zeros((2, 4, 64), dtype=np.uint8)
+    dst = np.zeros((2, 4, 64), dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"destination blocks: got 1..4; expected ids in \[0, 4\)"):
+        copy_verified(src, [0, 1], dst, [1, 4], np.zeros(2, dtype=np.uint64))
+
+
+_BUILD = ("from kvcache.native_copy import native_copier; c = native_copier(); "
+          "print(c.path if c else None)")
+
+
+def test_two_processes_building_at_once_both_load_one_library(tmp_path):
+    if not BUILDABLE:
+        pytest.skip("needs x86-64 and a C compiler")
+    env = {**os.environ, "LLM_CLUSTER_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    built = list((tmp_path / "native").iterdir())
+    assert len(built) == 1 and paths == {str(built[0])}   # no scratch directory left
+
+
+def test_without_a_compiler_the_copy_falls_back_and_says_so(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("LLM_CLUSTER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    native_copier.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native_copy.__name__):
+            assert native_copier() is None
+    finally:
+        native_copier.cache_clear()
+    assert "unavailable" in caplog.text and "crc32c package" in caplog.text
