@@ -40,6 +40,7 @@ from workers.decode_graphs import CUDA_GRAPH_SIZES, Capture, DecodeGraphs, cuda_
 from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import Checkpoint
 from workers.models.decoder import DecoderLM
+from workers.models.smoothquant import smooth_for_w8a8
 from workers.ops import get_ops
 from workers.ops.base import AttentionMetadata, PrefillSegment
 from workers.prompt_logprobs import prompt_span, score_prompt
@@ -84,7 +85,8 @@ class ModelRunner:
         ``decode_graph_sizes``: batch sizes whose decode-only steps replay a captured
         graph (None: ``CUDA_GRAPH_SIZES`` on CUDA, none elsewhere); ``graph_capture``
         records one (None: ``cuda_capture``); ``quantization``: the linear layers'
-        (``w8a8``, ``w8a16`` or ``none``)."""
+        (``w8a8``, ``w8a16`` or ``none``; ``w8a8`` of fp weights applies SmoothQuant
+        first, calibrated on a fixed text with the checkpoint's tokenizer)."""
         cfg = checkpoint.config
         self.config = cfg
         self.device = device
@@ -93,7 +95,10 @@ class ModelRunner:
         if self.ops.kv_layout != LAYOUT_ND and long_context is not None and long_context.enabled:
             raise ValueError(f"long_context: the {self.ops.kv_layout.upper()} KV layout of this "
                              "device has no sparse attention; disable long_context")
-        self.model = DecoderLM(cfg, checkpoint.weights, self.ops, max_model_len, device, dtype,
+        weights = checkpoint.weights
+        if quantization == "w8a8":
+            weights = smooth_for_w8a8(cfg, weights, checkpoint.tokenizer, device)
+        self.model = DecoderLM(cfg, weights, self.ops, max_model_len, device, dtype,
                                quantization)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
         if kv_dtype == torch.int8 and not self.ops.int8_kv:

@@ -1,0 +1,112 @@
+"""Activation statistics for SmoothQuant: each decoder linear layer's per-input-channel
+max|x| over a fixed calibration text, from the fp32 model.
+
+SmoothQuant (``smoothquant.py``) moves quantization difficulty from activations to
+weights channel by channel, so it needs to know which input channels carry large
+activations; that is a property of the model, measured once at load on real text. The
+text is fixed so that a load is reproducible: the first ``CALIBRATION_TOKENS`` tokens of
+Python's "Execution model" chapter (``pydoc_data.topics``, in every CPython install; not
+the ``compound`` topic the quality benchmark scores, so the figures there are not fitted
+to their own text). The forward is the engine's own decoder with the reference ops in
+fp32 (the CPU kernels on CPU), one prefill over a pool just large enough, recording the
+inputs of the four fused matrices of every layer.
+"""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcache.kv_tensors import KVShape
+from workers.model_config import ModelArchConfig
+from workers.models.decoder import DecoderLM
+from workers.ops import TorchOps, get_ops
+from workers.ops.base import AttentionMetadata, Ops, PrefillSegment
+from workers.tokenizer import Tokenizer
+
+CALIBRATION_TOPIC = "execmodel"
+CALIBRATION_TOKENS = 512
+_BLOCK = 16
+KINDS = ("qkv", "o", "gate_up", "down")
+
+
+@dataclass
+class LayerMaxima:
+    """One decoder layer's per-input-channel max|x| (fp32) of each fused linear layer:
+    ``qkv`` and ``gate_up`` [hidden], ``o`` [q_size], ``down`` [intermediate]."""
+
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def calibration_ids(tokenizer: Tokenizer) -> list[int]:
+    """The calibration text's first ``CALIBRATION_TOKENS`` token ids."""
+    text = pydoc_data.topics.topics[CALIBRATION_TOPIC]
+    return tokenizer.encode(text, add_special_tokens=False)[:CALIBRATION_TOKENS]
+
+
+class _RecordingOps:
+    """Another backend's ops, keeping the running max|x| per input channel of each
+    linear layer registered in ``keys`` (by the identity of its packed weight)."""
+
+    def __init__(self, inner: Ops) -> None:
+        self.inner = inner
+        self.keys: dict[int, tuple[int, str]] = {}
+        self.maxima: dict[tuple[int, str], torch.Tensor] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        key = self.keys.get(id(weight))
+        if key is not None:
+            amax = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+            old = self.maxima.get(key)
+            self.maxima[key] = amax if old is None else torch.maximum(old, amax)
+        return self.inner.linear(x, weight, bias)
+
+
+def _calibration_ops(device: torch.device) -> Ops:
+    """The CPU kernels on CPU (3-4x the reference ops' speed for this prefill); the
+    reference ops elsewhere, since flash-attn and the NPU's attention take no fp32."""
+    return get_ops(device) if device.type == "cpu" else TorchOps()
+
+
+def activation_maxima(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
+                      token_ids: list[int], device: torch.device) -> list[LayerMaxima]:
+    """Per layer, the max|x| of each linear layer's input over one fp32 prefill of
+    ``token_ids``; ``weights`` are fp (HF names), not changed."""
+    if not token_ids:
+        raise ValueError("calibration: got no token ids; expected at least one")
+    ops = _RecordingOps(_calibration_ops(device))
+    model = DecoderLM(cfg, weights, ops, len(token_ids), device, torch.float32)
+    for i, layer in enumerate(model.layers):
+        for kind in KINDS:
+            ops.keys[id(getattr(layer, kind + "_w"))] = (i, kind)
+    prefill(model, token_ids, device)
+    return [LayerMaxima(*(ops.maxima[(i, kind)] for kind in KINDS))
+            for i in range(cfg.num_layers)]
+
+
+def prefill(model: DecoderLM, token_ids: list[int], device: torch.device) -> torch.Tensor:
+    """The final hidden states [T, hidden] of one sequence run as a single prefill over
+    a fresh fp32 pool of its own."""
+    cfg, n = model.cfg, len(token_ids)
+    num_blocks = -(-n // _BLOCK)
+    shape = KVShape(cfg.num_layers, _BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                    model.ops.kv_layout)
+    kv = model.ops.allocate_kv(shape, num_blocks, device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=device), num_decode_tokens=0,
+        decode_block_tables=torch.zeros((0, 1), dtype=torch.int64, device=device),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int64, device=device),
+        prefills=[PrefillSegment(0, n, n, torch.arange(num_blocks, device=device))],
+        block_size=_BLOCK)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    return model.forward(ids, torch.arange(n, device=device), kv, meta)
