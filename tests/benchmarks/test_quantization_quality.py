@@ -4,8 +4,9 @@ forward, teacher-forced over real English text (benchmarks/quantization_quality.
 Issue #15's targets: top-1 agreement >= 97% for every configuration, perplexity
 increase < 2% (w8a16, int8 KV) and < 5% (w8a8). Measured over 1024 tokens
 (benchmarks/RESULTS.md): int8 KV 98.4% / +0.06%, w8a16 (scales per 64 input columns)
-97.4% / +0.19%, w8a8 91.7% / +3.4%. Agreement of w8a8 falls short of 97%, so its floor
-here is what it reaches, below the target, and says so."""
+97.4% / +0.19%, w8a8 with SmoothQuant 95.5% / +1.6% (91.7% / +3.4% before it).
+Agreement of w8a8 falls short of 97%, so its floor here is what it reaches, below the
+target, and says so."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 FLOORS = {"fp32": (0.999, 0.001),
           "int8 KV": (0.97, 0.02),       # the issue's target
           "w8a16": (0.97, 0.02),         # the issue's target (group scales)
-          "w8a8": (0.90, 0.05)}          # target 0.97 not met: 91.7% over 1024 tokens
+          "w8a8": (0.94, 0.03)}          # target 0.97 not met: 95.1% / +0.9% here (512)
 
 
 def test_quantized_model_against_hf_fp32(default_model_path):
