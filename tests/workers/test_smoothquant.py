@@ -7,6 +7,8 @@ here channel by channel from the HF parameters.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -147,3 +149,33 @@ def test_int8_checkpoints_and_tokenizerless_ones_are_left_as_given(tiny_factory,
     int8 = {**ck.weights, "model.layers.0.mlp.up_proj.weight":
             torch.zeros(2, 2, dtype=torch.int8)}
     assert smooth_for_w8a8(ck.config, int8, object(), CPU) is int8
+
+
+class ByteTokenizer:
+    """Token ids from the text's bytes, inside the tiny vocabulary (the tiny checkpoints
+    have no tokenizer files)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [3 + b % 250 for b in text.encode()]
+
+
+@pytest.mark.parametrize("quantization", ["w8a8", "w8a16", "none"])
+def test_the_runner_smooths_only_what_w8a8_quantizes(tiny_factory, quantization):
+    from kvcache.config import CacheConfig
+    from workers.model_runner import ModelRunner
+    from workers.models.calibration import CALIBRATION_TOKENS, calibration_ids
+
+    ck = dataclasses.replace(load_checkpoint(tiny_factory("llama").path),
+                             tokenizer=ByteTokenizer())
+    ids = calibration_ids(ck.tokenizer)
+    assert len(ids) == CALIBRATION_TOKENS
+    runner = ModelRunner(ck, CacheConfig(kv_cache_bytes=1 << 20), CPU, 64,
+                         quantization=quantization)
+    expected = (smooth_weights(ck.config, ck.weights,
+                               activation_maxima(ck.config, ck.weights, ids, CPU))
+                if quantization == "w8a8" else ck.weights)
+    for i, layer in enumerate(runner.model.layers):
+        p = f"model.layers.{i}."
+        torch.testing.assert_close(layer.in_norm, expected[p + "input_layernorm.weight"])
+        torch.testing.assert_close(layer.post_norm,
+                                   expected[p + "post_attention_layernorm.weight"])
