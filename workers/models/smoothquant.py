@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 
 def smoothing_factors(act_max: torch.Tensor, weight: torch.Tensor,
                       alpha: float = ALPHA) -> torch.Tensor:
-    """``s_j = max|X_j|^alpha / max_i |W_ij|^(1 - alpha)`` for a weight [out, in]."""
+    """``s_j = max|X_j|^alpha / max_i |W_ij|^(1 - alpha)`` for a weight [out, in], on
+    the weight's device (the maxima may come from an accelerator)."""
     w_max = weight.float().abs().amax(0).clamp(min=_FLOOR)
-    return act_max.float().clamp(min=_FLOOR).pow(alpha) / w_max.pow(1 - alpha)
+    x_max = act_max.to(w_max.device, torch.float32).clamp(min=_FLOOR)
+    return x_max.pow(alpha) / w_max.pow(1 - alpha)
 
 
 def smooth_weights(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
@@ -81,7 +83,7 @@ def _o_factors(cfg: ModelArchConfig, group: int, act_max: torch.Tensor, weight: 
         return t.reshape(cfg.num_kv_heads, group, cfg.head_dim).amax(1)
 
     w_max = per_kv(weight.float().abs().amax(0)).clamp(min=_FLOOR)
-    a_max = per_kv(act_max.float()).clamp(min=_FLOOR)
+    a_max = per_kv(act_max.to(w_max.device, torch.float32)).clamp(min=_FLOOR)
     return (a_max.pow(alpha) / w_max.pow(1 - alpha)).reshape(-1)
 
 
