@@ -58,16 +58,22 @@ def test_w8a8_is_the_exact_int32_product_rescaled(ops, rows):
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
 @pytest.mark.parametrize("inp,group", [(96, 96), (192, 64)], ids=["per-channel", "groups"])
 def test_w8a16_is_the_dequantized_weights_product(ops, rows, inp, group):
-    """Both the small-batch kernel (<= 16 rows) and the blocked path (more rows, more
-    than one block of output channels); a width that 64 divides gets a scale per 64
-    input columns of each channel (96 does not: one per channel)."""
-    x, w, bias = inputs(rows, seed=100 + rows, out=600, inp=inp)
+    """Both the small-batch kernel (<= 16 rows; four channels at a time, then the rest
+    one by one) and the blocked path (more rows, more than one block of output
+    channels); a width that 64 divides gets a scale per 64 input columns of each
+    channel (96 does not: one per channel)."""
+    x, w, bias = inputs(rows, seed=100 + rows, out=603, inp=inp)   # 603: not 4 | out
     packed = ops.pack_linear(w, "w8a16")
     qw, sw = symmetric_int8(w.reshape(-1, group))
-    dequant = (qw.double() * sw[:, None]).reshape(600, inp)
+    # The product is checked on the int8 values the engine chose: a weight whose w/scale
+    # lies within fp32 rounding of a .5 tie may round the other way than in float64.
+    int8 = TorchOps().pack_linear(w, "w8a16")
+    assert (int8.qweight.reshape(-1, group).long() - qw).abs().max() <= 1
+    torch.testing.assert_close(int8.scale.reshape(-1).double(), sw, rtol=1e-6, atol=0)
+    dequant = (int8.qweight.reshape(-1, group).double() * sw[:, None]).reshape(603, inp)
     expected = x.double() @ dequant.T + bias.double()
     got = ops.linear(x.view(1, rows, inp), packed, bias)
-    assert got.shape == (1, rows, 600)
+    assert got.shape == (1, rows, 603)
     # fp32 accumulation: errors relative to each row's size (rows span 4 decades).
     rel = (got[0].double() - expected).abs() / expected.abs().amax(dim=1, keepdim=True)
     assert rel.max() < 1e-5
