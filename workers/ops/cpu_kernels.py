@@ -63,6 +63,14 @@ def onednn_linear_problem() -> str | None:
 
 
 @functools.cache
+def kernels_digest() -> str:
+    """What names the kernels' sources: their library's key in the cache, and part of
+    the linear-layer choices' key (a changed kernel is timed afresh)."""
+    files = sorted(_CSRC.iterdir())
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+
+
+@functools.cache
 def load_cpu_kernels() -> str | None:
     """Build (first time) and load the kernels; returns None on success, else why not.
 
@@ -72,13 +80,11 @@ def load_cpu_kernels() -> str | None:
     A build runs in a directory of its own; its library is renamed into place whole."""
     try:
         # Keyed by the source too: checkouts with different kernels share one cache.
-        files = sorted(_CSRC.iterdir())
-        digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
-        library = cache_root() / "torch_ext" / f"torch-{torch.__version__}-{digest}.so"
+        library = cache_root() / "torch_ext" / f"torch-{torch.__version__}-{kernels_digest()}.so"
         if library.exists():
             torch.ops.load_library(str(library))
         else:
-            _build(files, library)
+            _build(sorted(_CSRC.iterdir()), library)
     except Exception as e:  # a compiler or ninja problem must not stop the engine
         return f"{type(e).__name__}: {e}"
     return None
@@ -113,7 +119,7 @@ class CpuOps(TorchOps):
     name = "cpu"
 
     def __init__(self, chooser: LinearChooser | None = None) -> None:
-        self.chooser = chooser or LinearChooser(store=default_store())
+        self.chooser = chooser or LinearChooser(store=default_store(kernels_digest()))
 
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
                     quantization: str = "none") -> torch.Tensor | Int8Weight | ChosenLinear:

@@ -100,8 +100,8 @@ class ChosenLinear:
 
 class ChoiceStore:
     """Choices shared by the processes of one machine: a file per (kind, shape, row
-    ranges, candidates) under ``directory``, keyed also by ``machine`` (the processor and
-    torch). The first choice published wins; a later one reads it instead."""
+    ranges, candidates) under ``directory``, keyed also by ``machine`` (the processor,
+    torch and our kernels). The first choice published wins; a later one reads it instead."""
 
     def __init__(self, directory: Path, machine: str) -> None:
         self.directory, self.machine = directory, machine
@@ -143,13 +143,14 @@ class ChoiceStore:
         return self.get(kind, shape, ranges, candidates) or names
 
 
-def default_store() -> ChoiceStore:
-    """The machine's store in the engine's cache directory."""
+def default_store(kernels: str) -> ChoiceStore:
+    """The machine's store in the engine's cache directory, for the candidates that the
+    kernels named ``kernels`` (a digest of their sources) offer."""
     from workers.loading.checkpoint import cache_root
 
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo()
                 if line.startswith("model name")), "unknown cpu")
-    machine = f"{cpu}|{os.cpu_count()}|torch {torch.__version__}"
+    machine = f"{cpu}|{os.cpu_count()}|torch {torch.__version__}|kernels {kernels}"
     return ChoiceStore(cache_root() / "linear_choice", machine)
 
 
