@@ -157,30 +157,12 @@ inline void quantize_heads(const float* src, int8_t* dst, int64_t heads, int64_t
   }
 }
 
-void write_rows_int8(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
-                     const at::Tensor& slots) {
-  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
-  const int64_t row = heads * (dim + 2), num_slots = cache.size(1) * cache.size(2);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  int8_t* kc = cache.data_ptr<int8_t>();
-  int8_t* vc = kc + cache.stride(0);
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t],
-                  " outside the pool of ", num_slots);
-      quantize_heads(kp + t * k.stride(0), kc + slot[t] * row, heads, dim);
-      quantize_heads(vp + t * v.stride(0), vc + slot[t] * row, heads, dim);
-    }
-  });
-}
-
-template <typename T>
+// cache[0][slot[t]] = store(k[t]), cache[1][slot[t]] = store(v[t]), where
+// store(src, dst) writes one token's row of `row` stored elements.
+template <typename T, typename Store>
 void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
-                const at::Tensor& slots) {
-  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
-  const int64_t num_slots = cache.size(1) * cache.size(2);
+                const at::Tensor& slots, int64_t row, Store store) {
+  const int64_t tokens = k.size(0), num_slots = cache.size(1) * cache.size(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -190,10 +172,29 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
     for (int64_t t = begin; t < end; ++t) {
       TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t],
                   " outside the pool of ", num_slots);
-      narrow(kp + t * k.stride(0), kc + slot[t] * row, row);
-      narrow(vp + t * v.stride(0), vc + slot[t] * row, row);
+      store(kp + t * k.stride(0), kc + slot[t] * row);
+      store(vp + t * v.stride(0), vc + slot[t] * row);
     }
   });
+}
+
+// The rows converted to the cache's float type.
+template <typename T>
+void write_narrowed(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
+                    const at::Tensor& slots) {
+  const int64_t row = k.size(1) * k.size(2);
+  write_rows<T>(k, v, cache, slots, row,
+                [row](const float* src, T* dst) { narrow(src, dst, row); });
+}
+
+// The rows quantized to int8 rows of dim + 2 bytes per head (quantize_heads).
+void write_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
+                     const at::Tensor& slots) {
+  const int64_t heads = k.size(1), dim = k.size(2);
+  write_rows<int8_t>(k, v, cache, slots, heads * (dim + 2),
+                     [heads, dim](const float* src, int8_t* dst) {
+                       quantize_heads(src, dst, heads, dim);
+                     });
 }
 
 // cache[0][slot[t]] = k[t], cache[1][slot[t]] = v[t], converted to the cache's type
@@ -214,10 +215,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                   slots.numel() == k.size(0),
               "write_kv: slot_mapping must be contiguous int64 [T]");
   switch (cache.scalar_type()) {
-    case at::kFloat: write_rows<float>(k, v, cache, slots); break;
-    case at::kHalf: write_rows<at::Half>(k, v, cache, slots); break;
-    case at::kBFloat16: write_rows<at::BFloat16>(k, v, cache, slots); break;
-    case at::kChar: write_rows_int8(k, v, cache, slots); break;
+    case at::kFloat: write_narrowed<float>(k, v, cache, slots); break;
+    case at::kHalf: write_narrowed<at::Half>(k, v, cache, slots); break;
+    case at::kBFloat16: write_narrowed<at::BFloat16>(k, v, cache, slots); break;
+    case at::kChar: write_quantized(k, v, cache, slots); break;
     default: TORCH_CHECK(false, "write_kv: unsupported cache dtype ", cache.scalar_type());
   }
 }
