@@ -74,9 +74,12 @@ def test_w8a16_is_the_dequantized_weights_product(ops, rows, inp, group):
     expected = x.double() @ dequant.T + bias.double()
     got = ops.linear(x.view(1, rows, inp), packed, bias)
     assert got.shape == (1, rows, 603)
-    # fp32 accumulation: errors relative to each row's size (rows span 4 decades).
+    # fp32 accumulation: errors relative to each row's size (rows span 4 decades). The
+    # CPU kernel also rounds each activation row to int16 (1/65534 of its largest value;
+    # test_linear_choice checks it against that exact oracle).
     rel = (got[0].double() - expected).abs() / expected.abs().amax(dim=1, keepdim=True)
-    assert rel.max() < 1e-5
+    assert rel.max() < (1e-5 if isinstance(ops, TorchOps) and not isinstance(ops, CpuOps)
+                        else 1e-4)
 
 
 def test_group_scales_are_only_for_w8a16():
@@ -114,9 +117,11 @@ def test_unknown_quantization_fails_at_start_naming_the_choices():
     assert config_from_dict({"model": {"quantization": "w8a16"}}).model.quantization == "w8a16"
 
 
-@pytest.mark.parametrize("quantization", ["w8a8", "w8a16"])
-def test_a_worker_quantizes_its_decoder_layers_not_its_lm_head(tiny_factory, quantization):
-    """The setting reaches a Ray worker's model through its spec (plain values)."""
+@pytest.mark.parametrize("quantization,head", [("w8a8", "fp32"), ("w8a16", "fp16")])
+def test_a_worker_quantizes_its_decoder_layers_and_its_head_as_the_scheme_says(
+        tiny_factory, quantization, head):
+    """The setting reaches a Ray worker's model through its spec (plain values); w8a16
+    keeps the LM head in fp16, w8a8 in the compute dtype (quant_linear.head_quantization)."""
     from kvcache.config import CacheConfig
     from workers.worker import Worker, WorkerSpec
 
@@ -126,7 +131,7 @@ def test_a_worker_quantizes_its_decoder_layers_not_its_lm_head(tiny_factory, qua
     layer = model.layers[0]
     for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w):
         assert w.choice.kind == quantization   # CPU ops: int8 weights, kernel chosen
-    assert model.lm_head.choice.kind == "fp32"
+    assert model.lm_head.choice.kind == head
 
 
 def test_the_fused_per_token_quantization_equals_the_torch_definition():

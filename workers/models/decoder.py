@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from workers.model_config import ModelArchConfig
 from workers.ops.base import AttentionMetadata, Ops
-from workers.ops.quant_linear import Int8Weight
+from workers.ops.quant_linear import Int8Weight, head_quantization
 
 if TYPE_CHECKING:
     from workers.sparse_attention import SparseStep
@@ -86,7 +86,8 @@ class DecoderLayer:
 
 class DecoderLM:
     """``quantization`` (``w8a8``, ``w8a16``) makes the decoder layers' linear layers
-    int8; the embedding and the LM head stay in the compute dtype."""
+    int8; the embedding stays in the compute dtype, the LM head as
+    ``quant_linear.head_quantization`` says."""
 
     def __init__(self, cfg: ModelArchConfig, weights: dict[str, torch.Tensor], ops: Ops,
                  max_positions: int, device: torch.device, dtype: torch.dtype,
@@ -99,7 +100,7 @@ class DecoderLM:
         self.ops = ops
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = ops.pack_linear(self.embed if cfg.tie_word_embeddings
-                                       else w["lm_head.weight"])
+                                       else w["lm_head.weight"], head_quantization(quantization))
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops, quantization)
                        for i in range(cfg.num_layers)]

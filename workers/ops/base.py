@@ -68,8 +68,8 @@ class Ops(Protocol):
                     quantization: str = "none") -> torch.Tensor | Int8Weight:
         """``weight`` [out, in] in the layout ``linear`` reads fastest, made once at load
         time; the result may be opaque to everything but ``linear``. ``quantization``
-        ``w8a8``/``w8a16`` makes it int8 (see ``quant_linear``); an ``Int8Weight`` (a
-        pre-quantized checkpoint) is taken as it is."""
+        ``w8a8``/``w8a16`` makes it int8 and ``fp16`` an fp32 weight fp16 (see
+        ``quant_linear``); an ``Int8Weight`` (a pre-quantized checkpoint) is taken as it is."""
         ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,

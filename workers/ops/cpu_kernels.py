@@ -13,8 +13,8 @@ The linear layers, most of a step, run on whichever implementation a short timin
 load finds fastest here, per batch-size range (``linear_choice``): ``F.linear`` (MKL,
 which repacks the weight every call and runs AVX2 code on AMD CPUs), oneDNN's packed
 fp32 weights (2-3x faster on the AMD EPYC measured, ``python -m cluster bench
-decode-step``; slower than MKL at batch 1 on an Intel Xeon), and for int8 weights the
-C++ w8a16 kernel or blocked dequantization.
+decode-step``; slower than MKL at batch 1 on an Intel Xeon), and for int8 (w8a16) and fp16
+weights the packed weight-streaming kernels or blocked dequantization (``packed_weights``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ import torch.nn.functional as F
 from kvcache.build_cache import cache_root, publish
 from workers.ops.base import AttentionMetadata
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
+from workers.ops.packed_weights import (
+    pack_half,
+    pack_int8,
+    packs_int8,
+    run_blocked,
+    run_half,
+    run_int8,
+)
 from workers.ops.quant_linear import Int8Weight, w8a8_linear, w8a16_blocked
 from workers.ops.torch_ref import TorchOps
 
@@ -41,7 +49,6 @@ _CSRC = Path(__file__).with_name("csrc")
 # KV the kernels write and the decode kernel reads
 KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
 _LIBRARY = "llm_cluster_cpu_kernels"
-W8A16_KERNEL_ROWS = 16  # the C++ weight-only int8 kernel's batch limit (see its source)
 
 
 @functools.cache
@@ -123,13 +130,15 @@ class CpuOps(TorchOps):
 
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
                     quantization: str = "none") -> torch.Tensor | Int8Weight | ChosenLinear:
-        """fp32 and int8 weights get the implementation timed fastest here per batch-size
-        range (``linear_choice``); other dtypes keep the reference."""
+        """fp32 weights, and the int8 and fp16 ones quantized from them, get the
+        implementation timed fastest here per batch-size range (``linear_choice``); other
+        dtypes keep the reference."""
         if not isinstance(weight, Int8Weight) and weight.dtype != torch.float32:
             return super().pack_linear(weight, quantization)
         weight = super().pack_linear(weight, quantization)
         kind, shape = ((weight.scheme, tuple(weight.qweight.shape))
-                       if isinstance(weight, Int8Weight) else ("fp32", tuple(weight.shape)))
+                       if isinstance(weight, Int8Weight)
+                       else (_KINDS[weight.dtype], tuple(weight.shape)))
         return self.chooser.choose(weight, kind, shape, self.linear_candidates(weight))
 
     def linear_candidates(self, weight: torch.Tensor | Int8Weight) -> list[LinearImpl]:
@@ -137,9 +146,13 @@ class CpuOps(TorchOps):
         if isinstance(weight, Int8Weight) and weight.scheme == "w8a8":
             return [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant)]
         if isinstance(weight, Int8Weight):
-            return [LinearImpl("int8-kernel", _as_is, _w8a16_kernel,
-                               max_rows=W8A16_KERNEL_ROWS),
-                    LinearImpl("dequant", _as_is, w8a16_blocked)]
+            if not packs_int8(weight):
+                return [LinearImpl("dequant", _as_is, w8a16_blocked)]
+            return [LinearImpl("int8-kernel", pack_int8, run_int8),
+                    LinearImpl("dequant", pack_int8, run_blocked)]
+        if weight.dtype == torch.float16:
+            return [LinearImpl("fp16-kernel", pack_half, run_half),
+                    LinearImpl("dequant", pack_half, run_blocked)]
         candidates = [LinearImpl("mkl", torch.Tensor.contiguous, F.linear)]
         if onednn_linear_problem() is None:
             candidates.append(LinearImpl("onednn", _onednn_pack, _onednn_linear))
@@ -191,6 +204,9 @@ class CpuOps(TorchOps):
             q.contiguous(), kv_cache[0], kv_cache[1], tables, lens, scale)
 
 
+_KINDS = {torch.float32: "fp32", torch.float16: "fp16"}  # linear-choice kinds of fp weights
+
+
 def _as_is(weight: Int8Weight) -> Int8Weight:
     return weight
 
@@ -215,19 +231,6 @@ def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight,
     out = torch.ops.llm_cluster.dequantize_int32(torch._int_mm(qx, weight.qweight_t), sx,
                                                  weight.scale, bias)
     return out.reshape(*shape[:-1], weight.out_features)
-
-
-def _w8a16_kernel(x: torch.Tensor, weight: Int8Weight,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """A decode batch of fp32 rows reads the int8 weight in the C++ kernel."""
-    rows = x.numel() // x.shape[-1]
-    if x.dtype != torch.float32 or rows > W8A16_KERNEL_ROWS:
-        return w8a16_blocked(x, weight, bias)
-    out = torch.ops.llm_cluster.int8_weight_linear(
-        x.reshape(rows, x.shape[-1]).contiguous(), weight.qweight, weight.scale)
-    if bias is not None:
-        out.add_(bias)
-    return out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def cpu_ops(backend: str) -> TorchOps:

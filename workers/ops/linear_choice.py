@@ -40,12 +40,11 @@ Run = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 @dataclass(frozen=True)
 class LinearImpl:
     """One way to compute ``x @ W.T + bias``: ``pack`` makes its weight once at load,
-    ``run`` reads it; ``max_rows`` is the most rows it takes (None: any)."""
+    ``run`` reads it (candidates with the same ``pack`` share one packed weight)."""
 
     name: str
     pack: Callable[[Any], Any]
     run: Run
-    max_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -179,17 +178,21 @@ class LinearChooser:
         first weight of a (kind, shape) is timed, later ones reuse its choice."""
         key = (kind, shape)
         by_name = {c.name: c for c in candidates}
-        packed: dict[str, Any] = {}
+        made: dict[Callable[[Any], Any], Any] = {}   # candidates sharing a pack share its result
+
+        def packed(c: LinearImpl) -> Any:
+            if c.pack not in made:
+                made[c.pack] = c.pack(weight)
+            return made[c.pack]
+
         choice = self.choices.get(key)
         if choice is None:
             choice = self._stored(kind, shape, list(by_name))
             if choice is None:
-                packed = {c.name: c.pack(weight) for c in candidates}
-                choice = self._measured(kind, shape, candidates, packed)
+                choice = self._measured(kind, shape, candidates,
+                                        {c.name: packed(c) for c in candidates})
             self.choices[key] = choice
-        for name in set(choice.names) - packed.keys():
-            packed[name] = by_name[name].pack(weight)
-        runs = tuple((by_name[n].run, packed[n]) for n in choice.names)
+        runs = tuple((by_name[n].run, packed(by_name[n])) for n in choice.names)
         return ChosenLinear(choice, shape[0], tuple(r.first for r in self.ranges), runs)
 
     def _stored(self, kind: str, shape: tuple[int, int],
@@ -217,16 +220,10 @@ class LinearChooser:
     def _measure(self, kind: str, shape: tuple[int, int], candidates: Sequence[LinearImpl],
                  packed: dict[str, Any]) -> LinearChoice:
         names, timings = [], []
-        for i, r in enumerate(self.ranges):
-            last = self.ranges[i + 1].first - 1 if i + 1 < len(self.ranges) else None
-            fit = [c for c in candidates
-                   if c.max_rows is None or (last is not None and last <= c.max_rows)]
-            if not fit:
-                raise ValueError(f"linear {kind} {shape}: no candidate takes rows {r.first}+; "
-                                 f"got {[c.name for c in candidates]}")
-            ms = (self._time(fit, packed, r.timed, shape[1], warm=not any(timings))
-                  if len(fit) > 1 else {})
-            names.append(min(ms, key=ms.__getitem__) if ms else fit[0].name)
+        for r in self.ranges:
+            ms = (self._time(candidates, packed, r.timed, shape[1], warm=not any(timings))
+                  if len(candidates) > 1 else {})
+            names.append(min(ms, key=ms.__getitem__) if ms else candidates[0].name)
             timings.append(ms)
         return LinearChoice(kind, shape, self.ranges, tuple(names), tuple(timings))
 

@@ -17,6 +17,7 @@ bytes (benchmarks/RESULTS.md); w8a8's single int32 product needs one scale per c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,15 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 _QMAX = 127.0
 _DEQUANT_ROWS = 256  # output channels dequantized at once by the blocked w8a16 path
 W8A16_GROUP = 64     # input columns per w8a16 weight scale (where they divide the width)
+
+
+def head_quantization(quantization: str) -> str:
+    """How the LM head is stored under ``quantization``: w8a16 (decode-bound serving)
+    keeps it in fp16, half the bytes of the largest matrix an fp32 model reads per
+    token; an int8 head costs too much top-1 agreement (benchmarks/RESULTS.md). w8a8
+    serves large batches, where converting an fp16 head back to fp32 would cost more
+    than its bytes save, so it keeps the head as loaded."""
+    return "fp16" if quantization == "w8a16" else "none"
 
 
 def check_quantization(name: str) -> None:
@@ -102,17 +112,28 @@ def w8a8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> to
 
 def w8a16_blocked(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` with fp activations: int8 weight rows dequantized a block at a
-    time (the block stays in cache for its product)."""
+    time."""
+    def rows(start: int, stop: int) -> torch.Tensor:
+        q, scale = w.qweight[start:stop], w.scale[start:stop].to(x.dtype)
+        if scale.dim() == 1:
+            return q.to(x.dtype).mul_(scale[:, None])
+        return q.to(x.dtype).view(q.shape[0], scale.shape[1], -1).mul_(scale[:, :, None]) \
+            .view(q.shape)
+    return blocked_linear(x, w.out_features, rows, bias)
+
+
+def blocked_linear(x: torch.Tensor, out_features: int,
+                   rows: Callable[[int, int], torch.Tensor],
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` where ``rows(start, stop)`` gives W's output channels [start,
+    stop) in ``x``'s dtype: a block at a time, so a block stays in cache for its product
+    and W is never whole in fp32."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    out = torch.empty(x2.shape[0], w.out_features, dtype=x.dtype, device=x.device)
-    for i in range(0, w.out_features, _DEQUANT_ROWS):
-        rows = slice(i, i + _DEQUANT_ROWS)
-        q, scale = w.qweight[rows], w.scale[rows].to(x.dtype)
-        block = q.to(x.dtype).view(q.shape[0], scale.shape[1], -1).mul_(scale[:, :, None]) \
-            if scale.dim() == 2 else q.to(x.dtype).mul_(scale[:, None])
-        out[:, rows] = F.linear(x2, block.view(q.shape))
+    out = torch.empty(x2.shape[0], out_features, dtype=x.dtype, device=x.device)
+    for i in range(0, out_features, _DEQUANT_ROWS):
+        stop = min(i + _DEQUANT_ROWS, out_features)
+        out[:, i:stop] = F.linear(x2, rows(i, stop).to(x.dtype))
     if bias is not None:
         out.add_(bias)
-    return out.reshape(*shape[:-1], w.out_features)
-
+    return out.reshape(*shape[:-1], out_features)

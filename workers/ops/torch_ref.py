@@ -24,15 +24,18 @@ class TorchOps:
 
     def pack_linear(self, weight: torch.Tensor | Int8Weight,
                     quantization: str = "none") -> torch.Tensor | Int8Weight:
+        """``fp16`` (``quant_linear.head_quantization``) stores an fp32 weight in fp16."""
         if isinstance(weight, Int8Weight) or quantization == "none":
             return weight
+        if quantization == "fp16":
+            return weight.half() if weight.dtype == torch.float32 else weight
         return quantize_weight(weight, quantization)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, Int8Weight):
             return self.int8_linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight.to(x.dtype), bias)
 
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
                     bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""Weights packed for the CPU's weight-streaming kernels (``csrc/packed_linear_cpu.cpp``).
+
+A decode step's linear layers are bound by how fast their weights stream from memory.
+Packed, each block of ``BLOCK`` output channels is one sequential run, ``[ceil(out /
+BLOCK), ceil(in / cols), BLOCK, cols]`` zero-padded (``cols`` 32 for int8, 16 for fp16),
+which the prefetchers follow; row-major rows read a few at a time are as many streams.
+The kernels serve decode batches; larger batches dequantize blocks of the same packed
+weight into fp32 for the fp32 GEMM (``run_blocked``), so a layer keeps one copy whichever
+implementation its row counts choose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.ops.quant_linear import Int8Weight, blocked_linear
+
+BLOCK = 8        # output channels per packed block
+INT8_COLS = 32   # int8 weights per channel per packed step (one AVX-512 int16 product)
+HALF_COLS = 16   # fp16 weights per channel per packed step (one AVX-512 fp32 vector)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """``data``: the packed int8 or fp16 weight; ``scale`` (int8 only): fp32 [padded out,
+    groups], zero for padding channels; the logical shape is [out_features, in_features]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Output channels [start, stop) as fp32 [stop - start, in]; ``start`` a multiple
+        of ``BLOCK``."""
+        blocks = self.data[start // BLOCK:-(-stop // BLOCK)]
+        w = blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0] * BLOCK, -1).float()
+        if self.scale is not None:
+            scale = self.scale[start:start + w.shape[0]]
+            w = w.view(w.shape[0], scale.shape[1], -1).mul_(scale[:, :, None]).view(w.shape)
+        return w[:stop - start, :self.in_features]
+
+
+def pack_rows(weight: torch.Tensor, cols: int) -> torch.Tensor:
+    """``weight`` [out, in] in the packed layout, zero-padded to whole blocks and steps."""
+    out, inp = weight.shape
+    padded = F.pad(weight, (0, -inp % cols, 0, -out % BLOCK))
+    return (padded.view(padded.shape[0] // BLOCK, BLOCK, padded.shape[1] // cols, cols)
+            .permute(0, 2, 1, 3).contiguous())
+
+
+def packs_int8(weight: Int8Weight) -> bool:
+    """Whether the int8 kernel takes this weight: its scale groups must be whole packed
+    steps (a per-channel scale always is)."""
+    groups = weight.scale.shape[1] if weight.scale.dim() == 2 else 1
+    return groups == 1 or (weight.qweight.shape[1] // groups) % INT8_COLS == 0
+
+
+def pack_int8(weight: Int8Weight) -> PackedWeight:
+    out, inp = weight.qweight.shape
+    scale = weight.scale.reshape(out, -1)
+    return PackedWeight(pack_rows(weight.qweight, INT8_COLS),
+                        F.pad(scale, (0, 0, 0, -out % BLOCK)).contiguous(), out, inp)
+
+
+def pack_half(weight: torch.Tensor) -> PackedWeight:
+    out, inp = weight.shape
+    return PackedWeight(pack_rows(weight.half(), HALF_COLS), None, out, inp)
+
+
+def run_int8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 rows [..., in] times the packed int8 weight, activations rounded to int16 per
+    row (CpuOps computes in fp32)."""
+    return torch.ops.llm_cluster.int8_weight_linear(x.contiguous(), w.data, w.scale, bias,
+                                                    w.out_features)
+
+
+def run_half(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 rows [..., in] times the packed fp16 weight, widened to fp32 in registers."""
+    return torch.ops.llm_cluster.half_weight_linear(x.contiguous(), w.data, bias,
+                                                    w.out_features)
+
+
+def run_blocked(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 GEMM on blocks of output channels dequantized from the packed weight."""
+    return blocked_linear(x, w.out_features, w.rows, bias)
