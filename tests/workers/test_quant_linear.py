@@ -168,3 +168,26 @@ def test_the_fused_rescale_equals_the_torch_definition(with_bias):
     want = acc.float() * sx[:, None] * int8.scale
     assert torch.equal(got, want + bias if with_bias else want)
     assert torch.equal(got, TorchOps().linear(x, int8, bias))
+
+
+def test_the_fused_w8a8_mlp_is_the_unfused_ops_bit_for_bit():
+    """``dequantize_silu_mul_quantize`` equals dequantize_int32, silu_and_mul and
+    quantize_rows_int8 one after the other (a zero row included), and the CPU ops' W8A8
+    MLP equals the same ops composed through ``linear``."""
+    ops = all_ops()[1]
+    g = torch.Generator().manual_seed(11)
+    acc = torch.randint(-2**20, 2**20, (37, 2 * 200), dtype=torch.int32, generator=g)
+    acc[3] = 0
+    row_scale, col_scale = torch.rand(37, generator=g) * 1e-3, torch.rand(400, generator=g) * 1e-3
+    q, s = torch.ops.llm_cluster.dequantize_silu_mul_quantize(acc, row_scale, col_scale)
+    act = torch.ops.llm_cluster.silu_and_mul(
+        torch.ops.llm_cluster.dequantize_int32(acc, row_scale, col_scale, None))
+    want_q, want_s = torch.ops.llm_cluster.quantize_rows_int8(act)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s) and s[3] == 1
+    gate_up = ops.pack_linear(torch.randn(2 * 96, 48, generator=g), "w8a8")
+    down = ops.pack_linear(torch.randn(48, 96, generator=g), "w8a8")
+    for rows in (1, 40):
+        x = torch.randn(rows, 48, generator=g)
+        got = ops.mlp(x, gate_up, down)
+        assert got.shape == (rows, 48)
+        assert torch.equal(got, ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down))

@@ -71,6 +71,10 @@ class _RecordingOps:
             self.maxima[key] = amax if old is None else torch.maximum(old, amax)
         return self.inner.linear(x, weight, bias)
 
+    def mlp(self, x: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
+        """Unfused, so that both products' inputs pass through ``linear``."""
+        return self.linear(self.inner.silu_and_mul(self.linear(x, gate_up)), down)
+
 
 def _calibration_ops(device: torch.device) -> Ops:
     """The CPU kernels on CPU (3-4x the reference ops' speed for this prefill); the

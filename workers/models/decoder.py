@@ -140,7 +140,7 @@ class DecoderLM:
             o = ops.attention(q, k, v, kv_cache, layer_meta, self.scale)
             h, x = ops.add_rms_norm(h, ops.linear(o.reshape(t, cfg.q_size), layer.o_w, layer.o_b),
                                     layer.post_norm, cfg.rms_norm_eps)
-            mlp = ops.linear(ops.silu_and_mul(ops.linear(x, layer.gate_up_w)), layer.down_w)
+            mlp = ops.mlp(x, layer.gate_up_w, layer.down_w)
             h, x = ops.add_rms_norm(h, mlp, next_norm, cfg.rms_norm_eps)
         return x
 

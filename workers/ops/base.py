@@ -89,6 +89,13 @@ class Ops(Protocol):
         """The gated MLP's activation: ``silu(x[..., :I]) * x[..., I:]`` for x [..., 2I]."""
         ...
 
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor | Int8Weight,
+            down: torch.Tensor | Int8Weight) -> torch.Tensor:
+        """The gated MLP, ``linear(silu_and_mul(linear(x, gate_up)), down)``, whole so
+        that a backend may fuse across its products (W8A8's rescale, activation and
+        requantization in one pass)."""
+        ...
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, H, D] and ``k`` [T, KVH, D] (neox halves) by their positions;

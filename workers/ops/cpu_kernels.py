@@ -193,6 +193,22 @@ class CpuOps(TorchOps):
             return super().silu_and_mul(x)
         return torch.ops.llm_cluster.silu_and_mul(x)
 
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor | Int8Weight | ChosenLinear,
+            down: torch.Tensor | Int8Weight | ChosenLinear) -> torch.Tensor:
+        """W8A8 in fp32: the gate/up product's rescale, activation and requantization
+        for down_proj in one C++ pass (``dequantize_silu_mul_quantize``)."""
+        if not (x.dtype == torch.float32 and isinstance(gate_up, ChosenLinear)
+                and isinstance(down, ChosenLinear)
+                and gate_up.choice.kind == down.choice.kind == "w8a8"):
+            return super().mlp(x, gate_up, down)
+        gu, dn = gate_up.packed_for(x), down.packed_for(x)
+        qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, x.shape[-1]).contiguous())
+        qh, sh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(
+            torch._int_mm(qx, gu.qweight_t), sx, gu.scale)
+        out = torch.ops.llm_cluster.dequantize_int32(torch._int_mm(qh, dn.qweight_t), sh,
+                                                     dn.scale, None)
+        return out.reshape(*x.shape[:-1], dn.out_features)
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         if q.dtype != torch.float32 or kv_cache.dtype not in KERNEL_KV_DTYPES:

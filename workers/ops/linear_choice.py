@@ -92,9 +92,15 @@ class ChosenLinear:
     runs: tuple[tuple[Run, Any], ...]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        run, packed = self.runs[max(0, bisect.bisect_right(self.firsts, rows) - 1)]
+        run, packed = self.runs[self._range(x)]
         return run(x, packed, bias)
+
+    def packed_for(self, x: torch.Tensor) -> Any:
+        """The weight as packed for the implementation that ``x``'s row count runs."""
+        return self.runs[self._range(x)][1]
+
+    def _range(self, x: torch.Tensor) -> int:
+        return max(0, bisect.bisect_right(self.firsts, x.numel() // x.shape[-1]) - 1)
 
 
 class ChoiceStore:

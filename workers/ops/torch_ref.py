@@ -57,6 +57,10 @@ class TorchOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def mlp(self, x: torch.Tensor, gate_up: torch.Tensor | Int8Weight,
+            down: torch.Tensor | Int8Weight) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
+
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = cos[positions].unsqueeze(1)

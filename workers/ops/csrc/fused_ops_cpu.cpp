@@ -233,22 +233,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * 2 * width;
-      const float* up = gate + width;
-      float* o = op + r * width;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= width; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(
-                                                                    _mm512_setzero_ps(), g))));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
-      }
-#endif
-      for (; i < width; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_row(xp + r * 2 * width, xp + r * 2 * width + width, op + r * width, width);
   });
   return out;
 }

@@ -1,5 +1,6 @@
 // W8A8's passes around the int8 matrix product (torch._int_mm): per-token int8
-// quantization of the activations, and the int32 product's rescale to fp32.
+// quantization of the activations, the int32 product's rescale to fp32, and the gated
+// MLP's activation between its two products.
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -9,15 +10,50 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
 constexpr int64_t kRowGrain = 16;  // activation rows per parallel task
 
-// W8A8's per-token activation quantization in one pass per row: scale = amax / 127
-// (1 for an all-zero row), q = round-half-even(x / scale), as quant_linear.quantize_rows
-// computes it with five torch ops (each its own pass and, past a size, its own
-// parallel region).
+// One row's per-token int8: scale = amax / 127 (1 for an all-zero row), q =
+// round-half-even(x / scale), as quant_linear.quantize_rows defines it.
+float quantize_row(const float* xr, int64_t cols, int8_t* qr) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t k = 0; k < cols; ++k) amax = std::max(amax, std::fabs(xr[k]));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  for (int64_t k = 0; k < cols; ++k) {
+    const float v = std::nearbyint(xr[k] / s);
+    qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+  }
+  return s;
+}
+
+// One row of the int32 product rescaled: float(acc) * row_scale * col_scale[c].
+inline void dequantize_row(const int32_t* ar, float rs, const float* cp, int64_t cols,
+                           float* orow) {
+#pragma omp simd
+  for (int64_t c = 0; c < cols; ++c) orow[c] = static_cast<float>(ar[c]) * rs * cp[c];
+}
+
+void check_scales(const at::Tensor& acc, const at::Tensor& row_scale,
+                  const at::Tensor& col_scale, const char* name) {
+  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), name,
+              ": acc must be contiguous int32 [rows, cols]");
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+                  row_scale.numel() == acc.size(0),
+              name, ": row_scale must be contiguous float32 [rows]");
+  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
+                  col_scale.numel() == acc.size(1),
+              name, ": col_scale must be contiguous float32 [cols]");
+}
+
+// W8A8's per-token activation quantization in one pass per row, as
+// quant_linear.quantize_rows computes it with five torch ops (each its own pass and,
+// past a size, its own parallel region).
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "quantize_rows_int8: x must be contiguous float32 [rows, cols]");
@@ -28,18 +64,34 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) sp[r] = quantize_row(xp + r * cols, cols, qp + r * cols);
+  });
+  return {q, scale};
+}
+
+// W8A8's gated MLP between its two products, one pass per row: the gate/up product
+// rescaled, silu(gate) * up, and that quantized per token for down_proj. Bit for bit
+// what dequantize_int32, silu_and_mul and quantize_rows_int8 give one after the other,
+// without writing the [rows, 2I] fp32 product or the [rows, I] activation.
+std::tuple<at::Tensor, at::Tensor> dequantize_silu_mul_quantize(const at::Tensor& acc,
+                                                                const at::Tensor& row_scale,
+                                                                const at::Tensor& col_scale) {
+  check_scales(acc, row_scale, col_scale, "dequantize_silu_mul_quantize");
+  TORCH_CHECK(acc.size(1) % 2 == 0, "dequantize_silu_mul_quantize: acc must be [rows, 2 * I]");
+  const int64_t rows = acc.size(0), width = acc.size(1) / 2;
+  auto q = at::empty({rows, width}, acc.options().dtype(at::kChar));
+  auto scale = at::empty({rows}, acc.options().dtype(at::kFloat));
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* rp = row_scale.data_ptr<float>();
+  const float* cp = col_scale.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> product(2 * width), act(width);
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * cols;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t k = 0; k < cols; ++k) amax = std::max(amax, std::fabs(xr[k]));
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      sp[r] = s;
-      int8_t* qr = qp + r * cols;
-      for (int64_t k = 0; k < cols; ++k) {
-        const float v = std::nearbyint(xr[k] / s);
-        qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-      }
+      dequantize_row(ap + r * 2 * width, rp[r], cp, 2 * width, product.data());
+      silu_mul_row(product.data(), product.data() + width, act.data(), width);
+      sp[r] = quantize_row(act.data(), width, qp + r * width);
     }
   });
   return {q, scale};
@@ -50,15 +102,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
 // (a conversion, two scalings and the bias, each its own pass over the output).
 at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,
                             const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(),
-              "dequantize_int32: acc must be contiguous int32 [rows, cols]");
+  check_scales(acc, row_scale, col_scale, "dequantize_int32");
   const int64_t rows = acc.size(0), cols = acc.size(1);
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
-                  row_scale.numel() == rows,
-              "dequantize_int32: row_scale must be contiguous float32 [rows]");
-  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
-                  col_scale.numel() == cols,
-              "dequantize_int32: col_scale must be contiguous float32 [cols]");
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
@@ -75,9 +120,7 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,
     for (int64_t r = begin; r < end; ++r) {
       const int32_t* ar = ap + r * cols;
       float* orow = op + r * cols;
-      const float rs = rp[r];
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) orow[c] = static_cast<float>(ar[c]) * rs * cp[c];
+      dequantize_row(ar, rp[r], cp, cols, orow);
       if (bp != nullptr) {  // a second loop over the row, still in cache: the product is
 #pragma omp simd        // rounded before the add, as the torch ops round it (no FMA)
         for (int64_t c = 0; c < cols; ++c) orow[c] += bp[c];
@@ -92,9 +135,12 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("quantize_rows_int8(Tensor x) -> (Tensor, Tensor)");
   m.def("dequantize_int32(Tensor acc, Tensor row_scale, Tensor col_scale, Tensor? bias) -> Tensor");
+  m.def("dequantize_silu_mul_quantize(Tensor acc, Tensor row_scale, Tensor col_scale) "
+        "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("quantize_rows_int8", &quantize_rows_int8);
   m.impl("dequantize_int32", &dequantize_int32);
+  m.impl("dequantize_silu_mul_quantize", &dequantize_silu_mul_quantize);
 }

@@ -1,6 +1,9 @@
 // Vector math shared by the CPU kernels.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -19,3 +22,18 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+// out = silu(gate) * up over one row of `width` values: the gated MLP's activation.
+inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t width) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= width; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(
+                                                                _mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < width; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
