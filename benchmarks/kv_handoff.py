@@ -1,8 +1,11 @@
 """KV handoff prefill -> decode through each transport vs memcpy vs pickled tensors.
 
 For the default model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64,
-block size 16), one sequence's blocks (scattered block ids, as in a used pool) move from
-one pool to another, both in shared segments as a worker's host pool is:
+block size 16), one sequence's blocks move from one pool to another, both in shared
+segments as a worker's host pool is. ``--ids scattered`` (the default) picks each side's
+block ids at random from the whole pool, the worst case a long-used pool can come to;
+``--ids fresh`` takes them from a fresh ``BlockPool`` on each side, as the engine's
+allocator hands them out before its pools have churned (ascending, consecutive ids):
 
 - shm (the one-copy same-node transport), request to acknowledgement: export_shared (the
   sender sends the checksums it stored when the blocks were written) -> import_shared
@@ -30,7 +33,7 @@ between the first and the second streamed token of a ``--gap-tokens`` prompt, ag
 decode worker's step time for that sequence; the handoff adds the difference.
 
     python benchmarks/kv_handoff.py [--tokens 512 2048 ... 65536] [--repeats 3] [--threads N]
-                                    [--cold-store] [--json]
+                                    [--ids scattered|fresh] [--cold-store] [--json]
     python benchmarks/kv_handoff.py --gap [--gap-tokens 8176] [--repeats 3]
 """
 
@@ -49,6 +52,7 @@ import ray
 import torch
 
 from kvcache.block_checksum import BlockChecksums
+from kvcache.block_pool import BlockPool
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
 from kvcache.kv_transport import (
@@ -134,7 +138,16 @@ def shared_pool(shape: KVShape, num_blocks: int) -> tuple[SharedSegment, list[to
     return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer)
 
 
-def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
+def block_ids(pattern: str, pool_blocks: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` block ids of one side: ``scattered`` at random over the pool, ``fresh`` as a
+    fresh pool's allocator gives them."""
+    if pattern == "fresh":
+        return torch.tensor(BlockPool(pool_blocks).allocate(n))
+    return torch.randperm(pool_blocks, generator=g)[:n]
+
+
+def run(dtype_name: str, token_counts: list[int], repeats: int,
+        ids: str = "scattered") -> list[dict]:
     shape = KVShape(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPES[dtype_name])
     meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
     pool_blocks = max(token_counts) // BLOCK_SIZE + 64
@@ -149,8 +162,8 @@ def run(dtype_name: str, token_counts: list[int], repeats: int) -> list[dict]:
     for tokens in token_counts:
         n = tokens // BLOCK_SIZE
         reps = max(repeats, 8192 // tokens)
-        src_ids = torch.randperm(pool_blocks, generator=g)[:n]
-        dst_ids = torch.randperm(pool_blocks, generator=g)[:n]
+        src_ids = block_ids(ids, pool_blocks, n, g)
+        dst_ids = block_ids(ids, pool_blocks, n, g)
         nbytes = n * shape.bytes_per_block
         parts = part_bounds(n, max(1, -(-nbytes // MAX_PART_BYTES)))
         # memcpy: the same bytes, contiguous, between the two pools' memory.
@@ -258,6 +271,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help="torch threads; 1 is steadier on a machine shared with other work")
+    ap.add_argument("--ids", choices=("scattered", "fresh"), default="scattered",
+                    help="block ids on each side: at random over the pool, or as a fresh "
+                         "pool's allocator hands them out")
     ap.add_argument("--cold-store", action="store_true",
                     help="do not write the object store's memory once before measuring")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
@@ -284,16 +300,18 @@ def main() -> None:
     try:
         if not args.cold_store:
             touch_object_store()
-        rows = [row for d in args.dtypes for row in run(d, args.tokens, args.repeats)]
+        rows = [row for d in args.dtypes for row in run(d, args.tokens, args.repeats, args.ids)]
     finally:
         ray.shutdown()
     copy = "native C" if native_copier() is not None else "numpy + crc32c package"
     if args.json:
         print(json.dumps({"torch_threads": args.threads, "cold_store": args.cold_store,
+                          "ids": args.ids,
                           "receiver_copy": copy, "rows": rows}, indent=2))
     else:
         print(f"torch threads: {args.threads}, median of >= {args.repeats} rounds, "
               f"object store {'cold' if args.cold_store else 'written once'}, "
+              f"block ids {args.ids}, "
               f"receiver's copy: {copy}\n")
         print(markdown(rows))
 
