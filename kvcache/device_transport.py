@@ -23,17 +23,15 @@ import pyarrow as pa
 import torch
 
 from kvcache.kv_transfer import (
-    HostRows,
     ImportedBlocks,
     KVLayoutMeta,
     KVTransferError,
     _block_elems,
     _check_pool,
     check_destination,
-    gather_rows,
-    place_rows,
 )
 from kvcache.kv_transport import Transport, describe, read_description
+from kvcache.pool_rows import HostRows, gather_rows, place_rows
 
 
 def export_device(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],

@@ -15,9 +15,7 @@ hand sequences to each other.
 
 Copies: export gathers the blocks into one reused host buffer that Arrow wraps as is;
 import reads the tensor column in place (from the Ray object store or an IPC buffer) and
-scatters it into the pool. Each is one ``index_select``/``index_copy_`` over all layers
-when the pool is one allocation (``allocate_kv_cache``'s), else one per layer; both run
-on torch's threads and move 16-byte words where the slab size allows.
+scatters it into the pool (``pool_rows``).
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ import torch
 
 from kvcache.kv_layout import LAYOUTS, block_shape, convert_blocks
 from kvcache.kv_tensors import KVShape
+from kvcache.pool_rows import HostRows, gather_rows, place_rows
 
 FORMAT_VERSION = "2"   # 2: checksum over chunk sums (1: CRC-32)
 _CHECKSUM_CHUNK = 64 << 10   # bytes per summed chunk; a multiple of 8
@@ -113,16 +112,6 @@ class ImportedBlocks:
                               torch.cat(given) if all(g is not None for g in given) else None)
 
 
-@dataclass
-class HostRows:
-    """Rows of a KV batch that go to a host tier's blocks instead of the pool: rows
-    ``first_row`` on, one per id of ``block_ids``, into ``kv`` [L, 2, blocks, ...]."""
-
-    first_row: int
-    block_ids: list[int]
-    kv: torch.Tensor
-
-
 def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
                   meta: KVLayoutMeta, summaries: torch.Tensor | None = None) -> pa.RecordBatch:
@@ -167,19 +156,6 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
         arrays.append(_tensor_column(schema.field("summary").type,
                                      pa.array(summary.reshape(-1)), summary.shape[1]))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
-
-
-def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """Blocks ``ids`` (on the pool's device) into ``rows`` [n, L, 2, elems], on that device."""
-    row_words = _words(rows)
-    slabs = _pool_slabs(kv_caches)
-    if slabs is not None:
-        torch.index_select(slabs, 0, _slab_ids(ids, kv_caches),
-                           out=row_words.view(-1, row_words.shape[-1]))
-    else:
-        for layer, kv in enumerate(kv_caches):
-            for kind, slab in enumerate(_words(kv.view(2, kv.shape[1], -1))):
-                torch.index_select(slab, 0, ids, out=row_words[:, layer, kind])
 
 
 def _tensor_column(tensor_type: pa.DataType, values: pa.Array, row_size: int) -> pa.Array:
@@ -246,19 +222,6 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
 
 
-def place_rows(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray,
-               host: HostRows | None) -> None:
-    """Rows [n, L, 2, elems] into pool blocks ``ids``, except the ``host`` rows, which go
-    to host-tier blocks."""
-    num_host = len(host.block_ids) if host else 0
-    h0 = host.first_row if host else src.shape[0]
-    _scatter(torch.cat((src[:h0], src[h0 + num_host:])) if num_host else src, kv_caches, ids)
-    if host:
-        rows = src[h0:h0 + num_host].to(host.kv.device).view(
-            num_host, *host.kv.shape[:2], *host.kv.shape[3:])
-        host.kv.index_copy_(2, torch.as_tensor(host.block_ids), rows.permute(1, 2, 0, 3, 4, 5))
-
-
 def check_destination(kv_caches: Sequence[torch.Tensor],
                       dst_block_ids: Sequence[int]) -> np.ndarray:
     """The destination block ids as an array: distinct, in this pool (a local bug if not)."""
@@ -279,21 +242,6 @@ def check_metadata(received: dict[bytes, bytes], expected_meta: KVLayoutMeta) ->
                 f"KV batch {key.decode()}: received "
                 f"{'nothing' if got is None else repr(got.decode(errors='replace'))}, "
                 f"expected {want.decode()!r}")
-
-
-def _scatter(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray) -> None:
-    """Rows [n, L, 2, elems] into blocks ``ids`` of the pool."""
-    device = kv_caches[0].device
-    src_words = _words(src.to(device))
-    device_ids = torch.from_numpy(ids).to(device)
-    slabs = _pool_slabs(kv_caches)
-    if slabs is not None:
-        slabs.index_copy_(0, _slab_ids(device_ids, kv_caches),
-                          src_words.view(-1, src_words.shape[-1]))
-    else:
-        for layer, kv in enumerate(kv_caches):
-            for kind, slab in enumerate(_words(kv.view(2, kv.shape[1], -1))):
-                slab.index_copy_(0, device_ids, src_words[:, layer, kind])
 
 
 def to_ipc_bytes(batch: pa.RecordBatch) -> pa.Buffer:
@@ -370,47 +318,6 @@ def _checksum(kv: np.ndarray, counts: np.ndarray, hashes: Sequence[bytes | None]
     if summaries is not None:
         digest.update(summaries.astype("<f4").tobytes())
     return f"sum64-{_CHECKSUM_CHUNK}-blake2b:{digest.hexdigest()}"
-
-
-def _pool_slabs(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The pool as one ``(layers * 2 * num_blocks, words)`` view of its K/V slabs when the
-    layers are consecutive slices of one allocation (``allocate_kv_cache``'s), else None.
-
-    Over it a handoff is one torch op, whose threads start and join once: per layer and
-    K/V, 60 ops on the default model, each stalled by a thread the shared machine did not
-    schedule, took 10x longer under load. Over small slices torch's index_select copies
-    each with one memcpy.
-    """
-    first = kv_caches[0]
-    layer_bytes = first.numel() * first.element_size()
-    storage = first.untyped_storage().data_ptr()
-    if not all(kv.untyped_storage().data_ptr() == storage
-               and kv.data_ptr() == first.data_ptr() + i * layer_bytes
-               for i, kv in enumerate(kv_caches)):
-        return None
-    slab = math.prod(first.shape[2:])
-    whole = first.as_strided((len(kv_caches) * 2 * first.shape[1], slab), (slab, 1))
-    return _words(whole)
-
-
-def _slab_ids(block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The slabs of ``_pool_slabs`` that hold the blocks, in row order (block, layer, K/V)."""
-    num_blocks = kv_caches[0].shape[1]
-    starts = torch.arange(2 * len(kv_caches), device=block_ids.device) * num_blocks
-    return (block_ids[:, None] + starts[None, :]).reshape(-1)
-
-
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last dimension read as the widest words (16 bytes down to 1) that
-    divide it. torch's CPU index copies move one element per step, so 16-byte words
-    scatter fp16 slabs about 1.5x faster than 2-byte ones; other devices keep the dtype,
-    whose kernels they are known to have."""
-    if t.device.type != "cpu":
-        return t
-    nbytes = t.shape[-1] * t.element_size()
-    word = next(w for w in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
-                if nbytes % w.itemsize == 0)
-    return t.view(word)
 
 
 def _read_only_tensor(array: np.ndarray) -> torch.Tensor:

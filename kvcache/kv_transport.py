@@ -44,13 +44,13 @@ from kvcache.kv_transfer import (
     KVTransferError,
     _check_pool,
     _check_token_counts,
-    _pool_slabs,
     _read_only_tensor,
     _tensor_column,
     _values_view,
     check_destination,
     check_metadata,
 )
+from kvcache.pool_rows import pool_slabs
 from kvcache.shm_segment import PeerSegments, SegmentError, SegmentHandle
 
 MAX_PART_BYTES = 256 << 20
@@ -290,7 +290,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
 
 def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
     """The pool as ``(layers * 2, num_blocks, slab_bytes)`` bytes (``block_checksum``'s)."""
-    slabs = _pool_slabs(kv_caches)
+    slabs = pool_slabs(kv_caches)
     if slabs is None or kv_caches[0].device.type != "cpu":
         raise ValueError("kv_caches: expected a host pool whose layers are slices of one "
                          "allocation (allocate_kv_cache's) for the shared-memory transport")

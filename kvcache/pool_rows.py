@@ -1,0 +1,107 @@
+"""Whole KV blocks between a pool and rows ``[n, L, 2, elems]`` (one block per row, its
+K and V of every layer): the gather an export starts with and the scatter an import
+ends with, for every transport. Each is one ``index_select``/``index_copy_`` over all
+layers when the pool is one allocation (``allocate_kv_cache``'s), else one per layer;
+both run on torch's threads and move 16-byte words where the slab size allows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class HostRows:
+    """Rows of a KV batch that go to a host tier's blocks instead of the pool: rows
+    ``first_row`` on, one per id of ``block_ids``, into ``kv`` [L, 2, blocks, ...]."""
+
+    first_row: int
+    block_ids: list[int]
+    kv: torch.Tensor
+
+
+def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Blocks ``ids`` (on the pool's device) into ``rows`` [n, L, 2, elems], on that device."""
+    row_words = as_words(rows)
+    slabs = pool_slabs(kv_caches)
+    if slabs is not None:
+        torch.index_select(slabs, 0, slab_ids(ids, kv_caches),
+                           out=row_words.view(-1, row_words.shape[-1]))
+    else:
+        for layer, kv in enumerate(kv_caches):
+            for kind, slab in enumerate(as_words(kv.view(2, kv.shape[1], -1))):
+                torch.index_select(slab, 0, ids, out=row_words[:, layer, kind])
+
+
+def place_rows(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray,
+               host: HostRows | None) -> None:
+    """Rows [n, L, 2, elems] into pool blocks ``ids``, except the ``host`` rows, which go
+    to host-tier blocks."""
+    num_host = len(host.block_ids) if host else 0
+    h0 = host.first_row if host else src.shape[0]
+    scatter_rows(torch.cat((src[:h0], src[h0 + num_host:])) if num_host else src, kv_caches, ids)
+    if host:
+        rows = src[h0:h0 + num_host].to(host.kv.device).view(
+            num_host, *host.kv.shape[:2], *host.kv.shape[3:])
+        host.kv.index_copy_(2, torch.as_tensor(host.block_ids), rows.permute(1, 2, 0, 3, 4, 5))
+
+
+def scatter_rows(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.ndarray) -> None:
+    """Rows [n, L, 2, elems] into blocks ``ids`` of the pool."""
+    device = kv_caches[0].device
+    src_words = as_words(src.to(device))
+    device_ids = torch.from_numpy(ids).to(device)
+    slabs = pool_slabs(kv_caches)
+    if slabs is not None:
+        slabs.index_copy_(0, slab_ids(device_ids, kv_caches),
+                          src_words.view(-1, src_words.shape[-1]))
+    else:
+        for layer, kv in enumerate(kv_caches):
+            for kind, slab in enumerate(as_words(kv.view(2, kv.shape[1], -1))):
+                slab.index_copy_(0, device_ids, src_words[:, layer, kind])
+
+
+def pool_slabs(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The pool as one ``(layers * 2 * num_blocks, words)`` view of its K/V slabs when the
+    layers are consecutive slices of one allocation (``allocate_kv_cache``'s), else None.
+
+    Over it a handoff is one torch op, whose threads start and join once: per layer and
+    K/V, 60 ops on the default model, each stalled by a thread the shared machine did not
+    schedule, took 10x longer under load. Over small slices torch's index_select copies
+    each with one memcpy.
+    """
+    first = kv_caches[0]
+    layer_bytes = first.numel() * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    if not all(kv.untyped_storage().data_ptr() == storage
+               and kv.data_ptr() == first.data_ptr() + i * layer_bytes
+               for i, kv in enumerate(kv_caches)):
+        return None
+    slab = math.prod(first.shape[2:])
+    whole = first.as_strided((len(kv_caches) * 2 * first.shape[1], slab), (slab, 1))
+    return as_words(whole)
+
+
+def slab_ids(block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The slabs of ``pool_slabs`` that hold the blocks, in row order (block, layer, K/V)."""
+    num_blocks = kv_caches[0].shape[1]
+    starts = torch.arange(2 * len(kv_caches), device=block_ids.device) * num_blocks
+    return (block_ids[:, None] + starts[None, :]).reshape(-1)
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dimension read as the widest words (16 bytes down to 1) that
+    divide it. torch's CPU index copies move one element per step, so 16-byte words
+    scatter fp16 slabs about 1.5x faster than 2-byte ones; other devices keep the dtype,
+    whose kernels they are known to have."""
+    if t.device.type != "cpu":
+        return t
+    nbytes = t.shape[-1] * t.element_size()
+    word = next(w for w in (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+                if nbytes % w.itemsize == 0)
+    return t.view(word)
