@@ -7,9 +7,10 @@ each call's activations per token, ``x ~= qx * sx[:, None]``, so ``x @ W.T ~=
 int32 by ``torch._int_mm`` (oneDNN's VNNI kernels on x86). torch's dynamic-quantized
 linear (FBGEMM/oneDNN) was measured too but quantizes activations per tensor, not per
 token; ``_weight_int8pack_mm`` ran 10-100x slower than fp32 here (benchmarks/RESULTS.md).
-w8a16 keeps fp activations: a small batch reads the int8 weights in a C++ kernel (CPU
-ops), a large one dequantizes blocks of rows into fp32 and uses the fp32 GEMM, whose
-arithmetic then dominates. Its weights quantized at load get a scale per group of
+w8a16 keeps 16-bit activations: the reference dequantizes blocks of rows into the
+compute dtype for its GEMM; the CPU ops' decode kernel rounds each activation row to
+int16 (``packed_weights``), 1/65534 of its largest value, far below the weights' int8
+rounding. Its weights quantized at load get a scale per group of
 ``W8A16_GROUP`` input columns of each output channel (``W ~= q * scale[:, g]``): on the
 default model that lifted top-1 agreement with HF fp32 from 96.8% to 97.4% for 1/16 more
 bytes (benchmarks/RESULTS.md); w8a8's single int32 product needs one scale per channel.
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 QUANTIZATIONS = ("none", "w8a8", "w8a16")
 _QMAX = 127.0
-_DEQUANT_ROWS = 256  # output channels dequantized at once by the blocked w8a16 path
+_DEQUANT_ROWS = 256  # output channels dequantized at once by blocked_linear
 W8A16_GROUP = 64     # input columns per w8a16 weight scale (where they divide the width)
 
 
