@@ -191,3 +191,12 @@ def test_the_fused_w8a8_mlp_is_the_unfused_ops_bit_for_bit():
         got = ops.mlp(x, gate_up, down)
         assert got.shape == (rows, 48)
         assert torch.equal(got, ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down))
+
+
+def test_a_w8a8_weight_is_one_int8_copy():
+    """``_int_mm`` reads the [in, out] layout; the [out, in] weight is a view of it."""
+    q = torch.randint(-127, 128, (24, 40), dtype=torch.int8,
+                      generator=torch.Generator().manual_seed(2))
+    w = Int8Weight.from_int8("w8a8", q, torch.ones(24))
+    assert torch.equal(w.qweight, q) and torch.equal(w.qweight_t, q.T)
+    assert w.qweight.untyped_storage().data_ptr() == w.qweight_t.untyped_storage().data_ptr()

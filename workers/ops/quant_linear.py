@@ -48,7 +48,8 @@ def check_quantization(name: str) -> None:
 class Int8Weight:
     """A linear layer's int8 weight [out, in] and fp32 scales, [out] (per channel) or
     [out, in / group] (w8a16 groups of input columns); ``scheme`` is ``w8a8`` or
-    ``w8a16``. ``qweight_t`` is the [in, out] copy ``_int_mm`` reads."""
+    ``w8a16``. ``qweight_t`` (w8a8) is the [in, out] layout ``_int_mm`` reads, and
+    ``qweight`` then a transposed view of it, not a second copy."""
 
     scheme: str
     qweight: torch.Tensor
@@ -70,8 +71,10 @@ class Int8Weight:
                              f"[{out}, {inp}]; expected one per channel, or for w8a16 "
                              "[out, groups] with groups dividing the input width")
         scale = scale.reshape(out, groups) if groups > 1 else scale.reshape(out)
-        qt = qweight.t().contiguous() if scheme == "w8a8" else None
-        return cls(scheme, qweight.contiguous(), scale.contiguous(), qt)
+        if scheme == "w8a8":   # one copy in memory: the layout _int_mm reads, and a view
+            qt = qweight.t().contiguous()
+            return cls(scheme, qt.t(), scale.contiguous(), qt)
+        return cls(scheme, qweight.contiguous(), scale.contiguous())
 
     @property
     def out_features(self) -> int:
