@@ -113,3 +113,20 @@ def test_groups_that_are_not_whole_steps_keep_the_dequantizing_path():
     dequant = (q.double().view(24, 2, 48) * int8.scale.double()[:, :, None]).view(24, 96)
     torch.testing.assert_close(ops.linear(x, ops.pack_linear(int8), bias).double(),
                                x.double() @ dequant.T + bias.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out,inp", [(603, 96), (10, 40), (16, 1536)])
+def test_the_packed_w8a8_product_is_int_mm_exactly(out, inp):
+    """The same int32 sums as ``torch._int_mm``, padding included, and at the largest
+    magnitudes (every product 127 * 127 or -127 * 127), so the CPU ops may pick either."""
+    g = torch.Generator().manual_seed(out)
+    w = quantize_weight(torch.randn(out, inp, generator=g), "w8a8")
+    w.qweight_t[:, 0] = 127
+    packed = pack_int8(w)
+    for rows in (1, 5, 17):
+        qx = torch.randint(-127, 128, (rows, inp), dtype=torch.int8, generator=g)
+        qx[0] = 127
+        got = torch.ops.llm_cluster.int8_packed_mm(qx, packed.data, out)
+        want = torch._int_mm(qx, w.qweight_t)
+        assert got.dtype == torch.int32 and torch.equal(got, want)
+        assert got[0, 0] == 127 * 127 * inp

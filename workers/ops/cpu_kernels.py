@@ -33,6 +33,7 @@ from kvcache.build_cache import cache_root, publish
 from workers.ops.base import AttentionMetadata
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
 from workers.ops.packed_weights import (
+    PackedWeight,
     pack_half,
     pack_int8,
     packs_int8,
@@ -40,7 +41,7 @@ from workers.ops.packed_weights import (
     run_half,
     run_int8,
 )
-from workers.ops.quant_linear import Int8Weight, w8a8_linear, w8a16_blocked
+from workers.ops.quant_linear import Int8Weight, w8a16_blocked
 from workers.ops.torch_ref import TorchOps
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,9 @@ class CpuOps(TorchOps):
     def linear_candidates(self, weight: torch.Tensor | Int8Weight) -> list[LinearImpl]:
         """The implementations that compute this weight's product here."""
         if isinstance(weight, Int8Weight) and weight.scheme == "w8a8":
-            return [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant)]
+            # The same exact int32 product either way, so the choice changes no output.
+            return [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant),
+                    LinearImpl("int8-packed", pack_int8, _w8a8_fused_quant)]
         if isinstance(weight, Int8Weight):
             if not packs_int8(weight):
                 return [LinearImpl("dequant", _as_is, w8a16_blocked)]
@@ -203,10 +206,8 @@ class CpuOps(TorchOps):
             return super().mlp(x, gate_up, down)
         gu, dn = gate_up.packed_for(x), down.packed_for(x)
         qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, x.shape[-1]).contiguous())
-        qh, sh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(
-            torch._int_mm(qx, gu.qweight_t), sx, gu.scale)
-        out = torch.ops.llm_cluster.dequantize_int32(torch._int_mm(qh, dn.qweight_t), sh,
-                                                     dn.scale, None)
+        qh, sh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(*_int8_product(qx, sx, gu))
+        out = torch.ops.llm_cluster.dequantize_int32(*_int8_product(qh, sh, dn), None)
         return out.reshape(*x.shape[:-1], dn.out_features)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -236,17 +237,24 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight,
+def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight | PackedWeight,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """``w8a8_linear`` with its per-token quantization and its rescale each in one C++
-    pass (fp32 rows)."""
-    if x.dtype != torch.float32:
-        return w8a8_linear(x, weight, bias)
+    pass, on either packing of the weight."""
     shape = x.shape
-    qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, shape[-1]).contiguous())
-    out = torch.ops.llm_cluster.dequantize_int32(torch._int_mm(qx, weight.qweight_t), sx,
-                                                 weight.scale, bias)
-    return out.reshape(*shape[:-1], weight.out_features)
+    qx, sx = torch.ops.llm_cluster.quantize_rows_int8(
+        x.reshape(-1, shape[-1]).float().contiguous())
+    out = torch.ops.llm_cluster.dequantize_int32(*_int8_product(qx, sx, weight), bias)
+    return out.to(x.dtype).reshape(*shape[:-1], weight.out_features)
+
+
+def _int8_product(qx: torch.Tensor, sx: torch.Tensor, weight: Int8Weight | PackedWeight
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W8A8's exact int32 product, with the row and the channel scales that rescale it."""
+    if isinstance(weight, PackedWeight):
+        return (torch.ops.llm_cluster.int8_packed_mm(qx, weight.data, weight.out_features),
+                sx, weight.channel_scale)
+    return torch._int_mm(qx, weight.qweight_t), sx, weight.scale
 
 
 def cpu_ops(backend: str) -> TorchOps:

@@ -6,7 +6,8 @@ BLOCK), ceil(in / cols), BLOCK, cols]`` zero-padded (``cols`` 32 for int8, 16 fo
 which the prefetchers follow; row-major rows read a few at a time are as many streams.
 The kernels serve decode batches; larger batches dequantize blocks of the same packed
 weight into fp32 for the fp32 GEMM (``run_blocked``), so a layer keeps one copy whichever
-implementation its row counts choose.
+implementation its row counts choose. W8A8 weights are packed the same way for the
+exact int32 product at decode batches (``int8_packed_mm``, equal to ``torch._int_mm``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class PackedWeight:
     scale: torch.Tensor | None
     out_features: int
     in_features: int
+
+    @property
+    def channel_scale(self) -> torch.Tensor:
+        """The fp32 scale per output channel [out] of a per-channel int8 weight (w8a8)."""
+        return self.scale[:self.out_features].view(-1)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Output channels [start, stop) as fp32 [stop - start, in]; ``start`` a multiple

@@ -49,49 +49,82 @@ void quantize_rows_int16(const float* x, int64_t rows, int64_t in, int64_t padde
   }
 }
 
+// Exact int32 sums of one int16 row with a block's int8 channels over packed steps
+// [s0, s1): per channel, one vector of partial sums (lanes) with AVX-512 BW, one
+// integer without.
+#if defined(__AVX512BW__)
+using Int32Lanes = __m512i;
+
+inline void accumulate_steps(const int16_t* x, const int8_t* q, int64_t s0, int64_t s1,
+                             Int32Lanes* acc) {
+  for (int64_t c = 0; c < kBlock; ++c) acc[c] = _mm512_setzero_si512();
+  for (int64_t s = s0; s < s1; ++s) {
+    const __m512i xv = _mm512_loadu_si512(x + s * kInt8Cols);
+    const int8_t* step = q + s * kBlock * kInt8Cols;
+    for (int64_t c = 0; c < kBlock; ++c) {
+      const __m512i w = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * kInt8Cols)));
+#if defined(__AVX512VNNI__)
+      acc[c] = _mm512_dpwssd_epi32(acc[c], xv, w);
+#else
+      acc[c] = _mm512_add_epi32(acc[c], _mm512_madd_epi16(xv, w));
+#endif
+    }
+  }
+}
+#else
+using Int32Lanes = int32_t;
+
+inline void accumulate_steps(const int16_t* x, const int8_t* q, int64_t s0, int64_t s1,
+                             Int32Lanes* acc) {
+  for (int64_t c = 0; c < kBlock; ++c) {
+    acc[c] = 0;
+    for (int64_t s = s0; s < s1; ++s) {
+      const int8_t* w = q + (s * kBlock + c) * kInt8Cols;
+      for (int64_t l = 0; l < kInt8Cols; ++l)
+        acc[c] += int32_t{x[s * kInt8Cols + l]} * int32_t{w[l]};
+    }
+  }
+}
+#endif
+
 // One block's products with one int16 row: out[c] = xs * sum_g scale[c, g] * (x . q_c
 // over group g), the group sums exact in int32.
 void int8_block_dot(const int16_t* x, const int8_t* q, const float* scale, int64_t groups,
                     int64_t steps_per_group, float xs, float* out) {
+  Int32Lanes acc[kBlock];
 #if defined(__AVX512BW__)
   __m512 total[kBlock];
   for (auto& t : total) t = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512i acc[kBlock];
-    for (auto& a : acc) a = _mm512_setzero_si512();
-    for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-      const __m512i xv = _mm512_loadu_si512(x + s * kInt8Cols);
-      const int8_t* step = q + s * kBlock * kInt8Cols;
-      for (int64_t c = 0; c < kBlock; ++c) {
-        const __m512i w = _mm512_cvtepi8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(step + c * kInt8Cols)));
-#if defined(__AVX512VNNI__)
-        acc[c] = _mm512_dpwssd_epi32(acc[c], xv, w);
-#else
-        acc[c] = _mm512_add_epi32(acc[c], _mm512_madd_epi16(xv, w));
-#endif
-      }
-    }
+    accumulate_steps(x, q, g * steps_per_group, (g + 1) * steps_per_group, acc);
     for (int64_t c = 0; c < kBlock; ++c)
       total[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[c]),
                                  _mm512_set1_ps(scale[c * groups + g]), total[c]);
   }
   for (int64_t c = 0; c < kBlock; ++c) out[c] = _mm512_reduce_add_ps(total[c]) * xs;
 #else
-  for (int64_t c = 0; c < kBlock; ++c) {
-    float total = 0.f;
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t acc = 0;
-      for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-        const int8_t* w = q + (s * kBlock + c) * kInt8Cols;
-        const int16_t* xv = x + s * kInt8Cols;
-        for (int64_t l = 0; l < kInt8Cols; ++l) acc += int32_t{xv[l]} * int32_t{w[l]};
-      }
-      total += static_cast<float>(acc) * scale[c * groups + g];
-    }
-    out[c] = total * xs;
+  float total[kBlock] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    accumulate_steps(x, q, g * steps_per_group, (g + 1) * steps_per_group, acc);
+    for (int64_t c = 0; c < kBlock; ++c)
+      total[c] += static_cast<float>(acc[c]) * scale[c * groups + g];
   }
+  for (int64_t c = 0; c < kBlock; ++c) out[c] = total[c] * xs;
 #endif
+}
+
+// One block's exact int32 products with one row: what torch._int_mm gives for them.
+void int8_block_mm(const int16_t* x, const int8_t* q, int64_t steps, int32_t* out) {
+  Int32Lanes acc[kBlock];
+  accumulate_steps(x, q, 0, steps, acc);
+  for (int64_t c = 0; c < kBlock; ++c) {
+#if defined(__AVX512BW__)
+    out[c] = _mm512_reduce_add_epi32(acc[c]);
+#else
+    out[c] = acc[c];
+#endif
+  }
 }
 
 // One block's products with one fp32 row, fp16 weights widened in registers.
@@ -133,27 +166,32 @@ void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t cols, i
               "packed linear: bias must be contiguous float32 [out_features]");
 }
 
-// x [..., in] -> [..., out_ch]: each row's outputs block by block, through a block-sized
-// scratch (the last block may be padding past `out_ch`), plus the bias.
-template <typename BlockDot>
-at::Tensor for_blocks(const at::Tensor& x, int64_t blocks, int64_t out_ch,
-                      const c10::optional<at::Tensor>& bias, BlockDot dot) {
-  auto sizes = x.sizes().vec();
-  sizes.back() = out_ch;
-  auto out = at::empty(sizes, x.options());
-  const int64_t rows = x.numel() / x.size(-1);
-  float* op = out.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+// [rows, out_ch] from each row's products block by block, through a block-sized scratch
+// (the last block may be padding past `out_ch`), plus the bias where one is given.
+template <typename Out, typename BlockDot>
+void for_blocks(int64_t rows, int64_t blocks, int64_t out_ch, Out* op, const Out* bias,
+                BlockDot dot) {
   at::parallel_for(0, blocks, kBlockGrain, [&](int64_t begin, int64_t end) {
-    float part[kBlock];
+    Out part[kBlock];
     for (int64_t b = begin; b < end; ++b)
       for (int64_t r = 0; r < rows; ++r) {
         dot(b, r, part);
         const int64_t c0 = b * kBlock, n = std::min(kBlock, out_ch - c0);
         for (int64_t c = 0; c < n; ++c)
-          op[r * out_ch + c0 + c] = bp != nullptr ? part[c] + bp[c0 + c] : part[c];
+          op[r * out_ch + c0 + c] = bias != nullptr ? part[c] + bias[c0 + c] : part[c];
       }
   });
+}
+
+// x [..., in] -> float [..., out_ch]
+template <typename BlockDot>
+at::Tensor float_out(const at::Tensor& x, int64_t blocks, int64_t out_ch,
+                     const c10::optional<at::Tensor>& bias, BlockDot dot) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_ch;
+  auto out = at::empty(sizes, x.options());
+  for_blocks<float>(x.numel() / x.size(-1), blocks, out_ch, out.data_ptr<float>(),
+                    bias.has_value() ? bias->data_ptr<float>() : nullptr, dot);
   return out;
 }
 
@@ -177,10 +215,34 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* xsp = xs.data_ptr<float>();
   const int8_t* qp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
-  return for_blocks(x, blocks, out_ch, bias, [&](int64_t b, int64_t r, float* part) {
+  return float_out(x, blocks, out_ch, bias, [&](int64_t b, int64_t r, float* part) {
     int8_block_dot(xp + r * padded, qp + b * kBlock * padded, sp + b * kBlock * groups, groups,
                    steps_per_group, xsp[r], part);
   });
+}
+
+// W8A8's int32 product on the packed weight: qx int8 [rows, in] (per-token quantized)
+// times the int8 weight, exact, equal to torch._int_mm(qx, q.T); at decode batches it
+// streams the weight faster than _int_mm.
+at::Tensor int8_packed_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch) {
+  TORCH_CHECK(qx.scalar_type() == at::kChar && qx.dim() == 2 && qx.is_contiguous(),
+              "int8_packed_mm: qx must be contiguous int8 [rows, in]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous() &&
+                  packed.size(2) == kBlock && packed.size(3) == kInt8Cols &&
+                  packed.size(1) * kInt8Cols >= qx.size(1) && packed.size(0) * kBlock >= out_ch,
+              "int8_packed_mm: the weight must be packed by packed_weights.pack_rows for this "
+              "input width and output count");
+  const int64_t rows = qx.size(0), in = qx.size(1), padded = packed.size(1) * kInt8Cols;
+  auto x16 = at::constant_pad_nd(qx.to(at::kShort), {0, padded - in}).contiguous();
+  auto out = at::empty({rows, out_ch}, qx.options().dtype(at::kInt));
+  const int16_t* xp = x16.data_ptr<int16_t>();
+  const int8_t* qp = packed.data_ptr<int8_t>();
+  for_blocks<int32_t>(rows, packed.size(0), out_ch, out.data_ptr<int32_t>(), nullptr,
+                      [&](int64_t b, int64_t r, int32_t* part) {
+                        int8_block_mm(xp + r * padded, qp + b * kBlock * padded,
+                                      packed.size(1), part);
+                      });
+  return out;
 }
 
 at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -193,7 +255,7 @@ at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& packed,
                         .reshape({-1, padded});
   const float* xp = xpad.data_ptr<float>();
   const at::Half* wp = packed.data_ptr<at::Half>();
-  return for_blocks(x, blocks, out_ch, bias, [&](int64_t b, int64_t r, float* part) {
+  return float_out(x, blocks, out_ch, bias, [&](int64_t b, int64_t r, float* part) {
     half_block_dot(xp + r * padded, wp + b * kBlock * padded, packed.size(1), part);
   });
 }
@@ -204,9 +266,11 @@ TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("int8_weight_linear(Tensor x, Tensor packed, Tensor scale, Tensor? bias, "
         "int out_features) -> Tensor");
   m.def("half_weight_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_packed_mm(Tensor qx, Tensor packed, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("int8_weight_linear", &int8_weight_linear);
   m.impl("half_weight_linear", &half_weight_linear);
+  m.impl("int8_packed_mm", &int8_packed_mm);
 }
