@@ -12,7 +12,8 @@
 // int8 weights multiply activations quantized per row to int16 (scale = amax / 32767):
 // AVX-512 VNNI's vpdpwssd then accumulates 32 exact products per instruction in int32,
 // half the instructions of widening the weights to fp32; the int16 rounding is 1/65534 of
-// the row's largest value, far below the weights' own int8 rounding.
+// the row's largest value, far below the weights' own int8 rounding. W8A8's int8
+// activations widened the same way give its exact int32 product (int8_packed_mm).
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
