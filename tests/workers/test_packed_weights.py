@@ -72,9 +72,10 @@ def test_the_int8_kernel_is_the_int16_activations_product(out, inp, rows):
     got = run_int8(x, pack_int8(int8), bias)
     assert got.shape == (2, rows, out) and got.dtype == torch.float32
     assert torch.equal(got[1, 0], bias)
-    # Exact integer sums; fp32 only in the per-group scaling and the final sum.
+    # Exact integer sums; fp32 only in the per-group scaling and the final sum (6e-7 at
+    # most over 15 seeds; a wrong scale or rounding would be 1e-4 or more).
     rel = (got.double() - want).abs() / want.abs().amax(dim=-1, keepdim=True)
-    assert rel.max() < 2e-6
+    assert rel.max() < 1e-5
 
 
 @pytest.mark.parametrize("out,inp", [(603, 576), (10, 40)])
@@ -83,9 +84,11 @@ def test_the_fp16_kernel_is_the_fp16_weights_product(out, inp):
     x = torch.randn(3, inp, generator=torch.Generator().manual_seed(8))
     want = x.double() @ w.half().double().T + bias.double()
     for run in (run_half, run_blocked):
+        # fp32 sums: up to 1.7e-6 over 15 seeds (the GEMM's order depends on alignment);
+        # the weights' fp16 rounding is 5e-4.
         got = run(x, pack_half(w), bias)
         rel = (got.double() - want).abs() / want.abs().amax(dim=-1, keepdim=True)
-        assert got.shape == (3, out) and rel.max() < 2e-6, run.__name__
+        assert got.shape == (3, out) and rel.max() < 1e-5, run.__name__
 
 
 def test_dequantized_blocks_of_a_packed_weight_are_the_weight_as_stored():
