@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.ops.quant_linear import Int8Weight, blocked_linear
+from workers.ops.quant_linear import Int8Weight, blocked_linear, dequantize
 
 BLOCK = 8        # output channels per packed block
 INT8_COLS = 32   # int8 weights per channel per packed step (one AVX-512 int16 product)
@@ -43,10 +43,9 @@ class PackedWeight:
         """Output channels [start, stop) as fp32 [stop - start, in]; ``start`` a multiple
         of ``BLOCK``."""
         blocks = self.data[start // BLOCK:-(-stop // BLOCK)]
-        w = blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0] * BLOCK, -1).float()
-        if self.scale is not None:
-            scale = self.scale[start:start + w.shape[0]]
-            w = w.view(w.shape[0], scale.shape[1], -1).mul_(scale[:, :, None]).view(w.shape)
+        w = blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0] * BLOCK, -1)
+        w = (w.float() if self.scale is None
+             else dequantize(w, self.scale[start:start + w.shape[0]], torch.float32))
         return w[:stop - start, :self.in_features]
 
 

@@ -118,12 +118,15 @@ def w8a16_blocked(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> 
     """``x @ W.T + bias`` with fp activations: int8 weight rows dequantized a block at a
     time."""
     def rows(start: int, stop: int) -> torch.Tensor:
-        q, scale = w.qweight[start:stop], w.scale[start:stop].to(x.dtype)
-        if scale.dim() == 1:
-            return q.to(x.dtype).mul_(scale[:, None])
-        return q.to(x.dtype).view(q.shape[0], scale.shape[1], -1).mul_(scale[:, :, None]) \
-            .view(q.shape)
+        return dequantize(w.qweight[start:stop], w.scale[start:stop], x.dtype)
     return blocked_linear(x, w.out_features, rows, bias)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows [n, in] times their scales, [n] (per channel) or [n, groups] (each
+    group of in / groups columns its own), in ``dtype``."""
+    scale = scale.to(dtype).reshape(q.shape[0], -1, 1)
+    return q.to(dtype).view(q.shape[0], scale.shape[1], -1).mul_(scale).view(q.shape)
 
 
 def blocked_linear(x: torch.Tensor, out_features: int,

@@ -18,20 +18,6 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;  // activation rows per parallel task
 
-// One row's per-token int8: scale = amax / 127 (1 for an all-zero row), q =
-// round-half-even(x / scale), as quant_linear.quantize_rows defines it.
-float quantize_row(const float* xr, int64_t cols, int8_t* qr) {
-  float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-  for (int64_t k = 0; k < cols; ++k) amax = std::max(amax, std::fabs(xr[k]));
-  const float s = amax > 0.f ? amax / 127.f : 1.f;
-  for (int64_t k = 0; k < cols; ++k) {
-    const float v = std::nearbyint(xr[k] / s);
-    qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-  }
-  return s;
-}
-
 // One row of the int32 product rescaled: float(acc) * row_scale * col_scale[c].
 inline void dequantize_row(const int32_t* ar, float rs, const float* cp, int64_t cols,
                            float* orow) {
@@ -64,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(const at::Tensor& x) {
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) sp[r] = quantize_row(xp + r * cols, cols, qp + r * cols);
+    for (int64_t r = begin; r < end; ++r)
+      sp[r] = quantize_row(xp + r * cols, cols, 127.f, qp + r * cols);
   });
   return {q, scale};
 }
@@ -91,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> dequantize_silu_mul_quantize(const at::Tensor
     for (int64_t r = begin; r < end; ++r) {
       dequantize_row(ap + r * 2 * width, rp[r], cp, 2 * width, product.data());
       silu_mul_row(product.data(), product.data() + width, act.data(), width);
-      sp[r] = quantize_row(act.data(), width, qp + r * width);
+      sp[r] = quantize_row(act.data(), width, 127.f, qp + r * width);
     }
   });
   return {q, scale};

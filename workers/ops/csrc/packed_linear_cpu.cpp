@@ -26,6 +26,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec_math.h"
+
 namespace {
 
 constexpr int64_t kBlock = 8;       // output channels per packed block
@@ -33,20 +35,12 @@ constexpr int64_t kInt8Cols = 32;   // int8 weights per channel per packed step
 constexpr int64_t kHalfCols = 16;   // fp16 weights per channel per packed step
 constexpr int64_t kBlockGrain = 2;  // blocks per parallel task
 
-// x rows as int16, scale = amax / 32767 per row (1 for an all-zero row), padded with
-// zeros to `padded` columns.
+// x rows as int16 (vec_math.h's quantize_row), padded with zeros to `padded` columns.
 void quantize_rows_int16(const float* x, int64_t rows, int64_t in, int64_t padded,
                          int16_t* q, float* scale) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * in;
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t k = 0; k < in; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float s = amax > 0.f ? amax / 32767.f : 1.f;
-    scale[r] = s;
-    int16_t* qr = q + r * padded;
-    for (int64_t k = 0; k < in; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] / s));
-    std::fill(qr + in, qr + padded, int16_t{0});
+    scale[r] = quantize_row(x + r * in, in, 32767.f, q + r * padded);
+    std::fill(q + r * padded + in, q + (r + 1) * padded, int16_t{0});
   }
 }
 
@@ -153,18 +147,25 @@ void half_block_dot(const float* x, const at::Half* w, int64_t steps, float* out
 #endif
 }
 
-void check_packed(const at::Tensor& x, const at::Tensor& packed, int64_t cols, int64_t out,
-                  const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(),
-              "packed linear: x must be contiguous float32 [..., in]");
+// A weight packed by packed_weights.pack_rows (`cols` values per step) for rows of
+// `in` values and `out` output channels.
+void check_packed(const at::Tensor& packed, int64_t cols, int64_t in, int64_t out,
+                  const char* name) {
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kBlock &&
-                  packed.size(3) == cols && packed.size(1) * cols >= x.size(-1) &&
+                  packed.size(3) == cols && packed.size(1) * cols >= in &&
                   packed.size(0) * kBlock >= out,
-              "packed linear: the weight must be packed by packed_weights.pack_rows for this "
+              name, ": the weight must be packed by packed_weights.pack_rows for this "
               "input width and output count");
+}
+
+// fp32 rows [..., in] and an optional fp32 bias [out].
+void check_input(const at::Tensor& x, int64_t out, const c10::optional<at::Tensor>& bias,
+                const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.is_contiguous(), name,
+              ": x must be contiguous float32 [..., in]");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat &&
                                     bias->is_contiguous() && bias->numel() == out),
-              "packed linear: bias must be contiguous float32 [out_features]");
+              name, ": bias must be contiguous float32 [out_features]");
 }
 
 // [rows, out_ch] from each row's products block by block, through a block-sized scratch
@@ -200,7 +201,8 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& packed,
                               const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
                               int64_t out_ch) {
   TORCH_CHECK(packed.scalar_type() == at::kChar, "int8_weight_linear: int8 weight expected");
-  check_packed(x, packed, kInt8Cols, out_ch, bias);
+  check_input(x, out_ch, bias, "int8_weight_linear");
+  check_packed(packed, kInt8Cols, x.size(-1), out_ch, "int8_weight_linear");
   const int64_t in = x.size(-1), rows = x.numel() / in, blocks = packed.size(0);
   const int64_t padded = packed.size(1) * kInt8Cols;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 &&
@@ -228,11 +230,8 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& packed,
 at::Tensor int8_packed_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch) {
   TORCH_CHECK(qx.scalar_type() == at::kChar && qx.dim() == 2 && qx.is_contiguous(),
               "int8_packed_mm: qx must be contiguous int8 [rows, in]");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.is_contiguous() &&
-                  packed.size(2) == kBlock && packed.size(3) == kInt8Cols &&
-                  packed.size(1) * kInt8Cols >= qx.size(1) && packed.size(0) * kBlock >= out_ch,
-              "int8_packed_mm: the weight must be packed by packed_weights.pack_rows for this "
-              "input width and output count");
+  TORCH_CHECK(packed.scalar_type() == at::kChar, "int8_packed_mm: int8 weight expected");
+  check_packed(packed, kInt8Cols, qx.size(1), out_ch, "int8_packed_mm");
   const int64_t rows = qx.size(0), in = qx.size(1), padded = packed.size(1) * kInt8Cols;
   auto x16 = at::constant_pad_nd(qx.to(at::kShort), {0, padded - in}).contiguous();
   auto out = at::empty({rows, out_ch}, qx.options().dtype(at::kInt));
@@ -249,7 +248,8 @@ at::Tensor int8_packed_mm(const at::Tensor& qx, const at::Tensor& packed, int64_
 at::Tensor half_weight_linear(const at::Tensor& x, const at::Tensor& packed,
                               const c10::optional<at::Tensor>& bias, int64_t out_ch) {
   TORCH_CHECK(packed.scalar_type() == at::kHalf, "half_weight_linear: fp16 weight expected");
-  check_packed(x, packed, kHalfCols, out_ch, bias);
+  check_input(x, out_ch, bias, "half_weight_linear");
+  check_packed(packed, kHalfCols, x.size(-1), out_ch, "half_weight_linear");
   const int64_t in = x.size(-1), blocks = packed.size(0);
   const int64_t padded = packed.size(1) * kHalfCols;
   at::Tensor xpad = (in == padded ? x : at::constant_pad_nd(x, {0, padded - in}))

@@ -1,6 +1,7 @@
 // Vector math shared by the CPU kernels.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -36,4 +37,21 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
   }
 #endif
   for (; i < width; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// One row's symmetric quantization to integers of magnitude at most `qmax`: scale =
+// amax / qmax (1 for an all-zero row), q = round-half-even(x / scale), clamped; returns
+// the scale. W8A8's per-token int8 (quant_linear.quantize_rows defines it) and the
+// w8a16 kernel's int16 activation rows.
+template <typename Q>
+inline float quantize_row(const float* xr, int64_t cols, float qmax, Q* qr) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t k = 0; k < cols; ++k) amax = std::max(amax, std::fabs(xr[k]));
+  const float s = amax > 0.f ? amax / qmax : 1.f;
+  for (int64_t k = 0; k < cols; ++k) {
+    const float v = std::nearbyint(xr[k] / s);
+    qr[k] = static_cast<Q>(std::min(qmax, std::max(-qmax, v)));
+  }
+  return s;
 }
