@@ -108,28 +108,36 @@ def test_groups_that_are_not_whole_steps_keep_the_dequantizing_path():
     w, bias = _weights(24, 96, seed=4)
     q = torch.randint(-127, 128, (24, 96), dtype=torch.int8,
                       generator=torch.Generator().manual_seed(4))
-    int8 = Int8Weight.from_int8("w8a16", q, torch.rand(24, 2) + 0.5)
+    int8 = Int8Weight.from_int8("w8a16", q, torch.rand(24, 2, generator=torch.Generator()
+                                                        .manual_seed(6)) + 0.5)
     assert not packs_int8(int8)
     ops = CpuOps()
     assert [c.name for c in ops.linear_candidates(int8)] == ["dequant"]
     x = torch.randn(2, 96, generator=torch.Generator().manual_seed(5))
     dequant = (q.double().view(24, 2, 48) * int8.scale.double()[:, :, None]).view(24, 96)
-    torch.testing.assert_close(ops.linear(x, ops.pack_linear(int8), bias).double(),
-                               x.double() @ dequant.T + bias.double(), rtol=1e-5, atol=1e-5)
+    got = ops.linear(x, ops.pack_linear(int8), bias).double()
+    # fp32 summation of 97 terms: within 97 * 2^-24 of the sum of their magnitudes
+    bound = 97 * 2.0 ** -24 * (x.double().abs() @ dequant.abs().T + bias.double().abs())
+    assert ((got - (x.double() @ dequant.T + bias.double())).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("out,inp", [(603, 96), (10, 40), (16, 1536)])
 def test_the_packed_w8a8_product_is_int_mm_exactly(out, inp):
-    """The same int32 sums as ``torch._int_mm``, padding included, and at the largest
-    magnitudes (every product 127 * 127 or -127 * 127), so the CPU ops may pick either."""
+    """The same int32 sums as ``torch._int_mm``, padding included, for every row count
+    of the kernel's row tiles, and at the largest magnitudes (every product 127 * 127, or
+    -128 * 127), so the CPU ops may pick either."""
     g = torch.Generator().manual_seed(out)
     w = quantize_weight(torch.randn(out, inp, generator=g), "w8a8")
     w.qweight_t[:, 0] = 127
     packed = pack_int8(w)
-    for rows in (1, 5, 17):
-        qx = torch.randint(-127, 128, (rows, inp), dtype=torch.int8, generator=g)
+    for rows in (1, 2, 3, 4, 5, 8, 17):
+        qx = torch.randint(-128, 128, (rows, inp), dtype=torch.int8, generator=g)
         qx[0] = 127
+        if rows > 1:
+            qx[-1, 1:] = -128
         got = torch.ops.llm_cluster.int8_packed_mm(qx, packed.data, out)
         want = torch._int_mm(qx, w.qweight_t)
         assert got.dtype == torch.int32 and torch.equal(got, want)
         assert got[0, 0] == 127 * 127 * inp
+        if rows > 1:
+            assert got[-1, 0] == -128 * 127 * (inp - 1) + int(qx[-1, 0]) * 127

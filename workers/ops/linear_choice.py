@@ -55,9 +55,14 @@ class RowRange:
     timed: int
 
 
-# Decode batches of 1-3, small batches (the w8a16 kernel's up to 16 rows), and larger
-# batches and prefill chunks.
-ROW_RANGES = (RowRange(1, 1), RowRange(4, 8), RowRange(17, 128))
+# Decode batches of 1-3, small batches (the w8a16 kernel's up to 16 rows), mid-sized
+# decode batches (where W8A8's packed product still streams its weight faster than
+# _int_mm), and larger batches and prefill chunks.
+ROW_RANGES = (RowRange(1, 1), RowRange(4, 8), RowRange(17, 24), RowRange(33, 128))
+# Written before each timed call so that the weight comes from memory, as it does in a
+# model whose layers together outgrow the last-level cache (a decode step reads each
+# once); timed hot, a small layer's weight would sit in cache and favour the wrong kernel.
+EVICT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -172,9 +177,11 @@ class LinearChooser:
 
     def __init__(self, ranges: Sequence[RowRange] = ROW_RANGES,
                  clock: Callable[[], float] = time.perf_counter, repeats: int = 3,
-                 budget_s: float = 0.02, store: ChoiceStore | None = None) -> None:
+                 budget_s: float = 0.02, store: ChoiceStore | None = None,
+                 evict_bytes: int = EVICT_BYTES) -> None:
         self.ranges = tuple(ranges)
         self.clock, self.repeats, self.budget_s = clock, repeats, budget_s
+        self._evict = torch.empty(evict_bytes // 4)
         self.store = store
         self.choices: dict[tuple[str, tuple[int, int]], LinearChoice] = {}
 
@@ -248,6 +255,7 @@ class LinearChooser:
             for c in fit:
                 if spent[c.name] >= self.budget_s:
                     continue
+                self._evict.fill_(1.0)
                 start = self.clock()
                 c.run(x, packed[c.name], None)
                 took = self.clock() - start

@@ -109,6 +109,7 @@ void int8_block_dot(const int16_t* x, const int8_t* q, const float* scale, int64
 #endif
 }
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 // One block's exact int32 products with one row: what torch._int_mm gives for them.
 void int8_block_mm(const int16_t* x, const int8_t* q, int64_t steps, int32_t* out) {
   Int32Lanes acc[kBlock];
@@ -121,6 +122,7 @@ void int8_block_mm(const int16_t* x, const int8_t* q, int64_t steps, int32_t* ou
 #endif
   }
 }
+#endif
 
 // One block's products with one fp32 row, fp16 weights widened in registers.
 void half_block_dot(const float* x, const at::Half* w, int64_t steps, float* out) {
@@ -224,6 +226,92 @@ at::Tensor int8_weight_linear(const at::Tensor& x, const at::Tensor& packed,
   });
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// W8A8 with VNNI's vpdpbusd (unsigned by signed bytes, 64 products per instruction, no
+// widening): each activation is biased to unsigned x + 128, and 128 * (the channel's
+// weight sum) is taken off again, so the int32 sums stay exact. One 512-bit register
+// holds a pair of channels' 32 weights of a step, met by the row's 32 biased
+// activations in both halves; kRowTile rows share each weight load.
+constexpr int64_t kRowTile = 4;
+constexpr int64_t kPairs = kBlock / 2;
+
+inline __m512i biased_twice(const int8_t* x) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_broadcast_i64x4(_mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))));
+}
+
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The two channels of a pair register: lanes 0-7 and 8-15 summed.
+inline void pair_sums(__m512i v, int32_t* out) {
+  out[0] = sum8(_mm512_castsi512_si256(v));
+  out[1] = sum8(_mm512_extracti64x4_epi64(v, 1));
+}
+
+// 128 * each channel's weight sum over the block's steps (the bias to take off).
+void block_bias(const int8_t* q, int64_t steps, int32_t* bias) {
+  __m512i acc[kPairs];
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t s = 0; s < steps; ++s)
+    for (int64_t p = 0; p < kPairs; ++p)
+      acc[p] = _mm512_dpbusd_epi32(acc[p], ones, _mm512_loadu_si512(q + (s * kPairs + p) * 64));
+  for (int64_t p = 0; p < kPairs; ++p) pair_sums(acc[p], bias + 2 * p);
+  for (int64_t c = 0; c < kBlock; ++c) bias[c] *= 128;
+}
+
+// R rows (x, `stride` bytes apart) times one block: out[r][c], exact.
+template <int R>
+void block_rows_mm(const int8_t* x, int64_t stride, const int8_t* q, int64_t steps,
+                   const int32_t* bias, int32_t (*out)[kBlock]) {
+  __m512i acc[R][kPairs];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_si512();
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = biased_twice(x + r * stride + s * kInt8Cols);
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512i w = _mm512_loadu_si512(q + (s * kPairs + p) * 64);
+      for (int r = 0; r < R; ++r) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xv[r], w);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t p = 0; p < kPairs; ++p) pair_sums(acc[r][p], out[r] + 2 * p);
+    for (int64_t c = 0; c < kBlock; ++c) out[r][c] -= bias[c];
+  }
+}
+
+void packed_mm_rows(const int8_t* x, int64_t rows, int64_t padded, const int8_t* q,
+                    int64_t blocks, int64_t out_ch, int32_t* op) {
+  const int64_t steps = padded / kInt8Cols;
+  at::parallel_for(0, blocks, kBlockGrain, [&](int64_t begin, int64_t end) {
+    int32_t bias[kBlock], part[kRowTile][kBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const int8_t* qb = q + b * kBlock * padded;
+      block_bias(qb, steps, bias);
+      const int64_t c0 = b * kBlock, n = std::min(kBlock, out_ch - c0);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+        const int8_t* xr = x + r0 * padded;
+        const int64_t m = std::min(kRowTile, rows - r0);
+        switch (m) {
+          case 1: block_rows_mm<1>(xr, padded, qb, steps, bias, part); break;
+          case 2: block_rows_mm<2>(xr, padded, qb, steps, bias, part); break;
+          case 3: block_rows_mm<3>(xr, padded, qb, steps, bias, part); break;
+          default: block_rows_mm<4>(xr, padded, qb, steps, bias, part);
+        }
+        for (int64_t r = 0; r < m; ++r)
+          std::copy(part[r], part[r] + n, op + (r0 + r) * out_ch + c0);
+      }
+    }
+  });
+}
+#endif
+
 // W8A8's int32 product on the packed weight: qx int8 [rows, in] (per-token quantized)
 // times the int8 weight, exact, equal to torch._int_mm(qx, q.T); at decode batches it
 // streams the weight faster than _int_mm.
@@ -233,15 +321,21 @@ at::Tensor int8_packed_mm(const at::Tensor& qx, const at::Tensor& packed, int64_
   TORCH_CHECK(packed.scalar_type() == at::kChar, "int8_packed_mm: int8 weight expected");
   check_packed(packed, kInt8Cols, qx.size(1), out_ch, "int8_packed_mm");
   const int64_t rows = qx.size(0), in = qx.size(1), padded = packed.size(1) * kInt8Cols;
-  auto x16 = at::constant_pad_nd(qx.to(at::kShort), {0, padded - in}).contiguous();
   auto out = at::empty({rows, out_ch}, qx.options().dtype(at::kInt));
-  const int16_t* xp = x16.data_ptr<int16_t>();
   const int8_t* qp = packed.data_ptr<int8_t>();
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  auto x8 = (in == padded ? qx : at::constant_pad_nd(qx, {0, padded - in})).contiguous();
+  packed_mm_rows(x8.data_ptr<int8_t>(), rows, padded, qp, packed.size(0), out_ch,
+                 out.data_ptr<int32_t>());
+#else
+  auto x16 = at::constant_pad_nd(qx.to(at::kShort), {0, padded - in}).contiguous();
+  const int16_t* xp = x16.data_ptr<int16_t>();
   for_blocks<int32_t>(rows, packed.size(0), out_ch, out.data_ptr<int32_t>(), nullptr,
                       [&](int64_t b, int64_t r, int32_t* part) {
                         int8_block_mm(xp + r * padded, qp + b * kBlock * padded,
                                       packed.size(1), part);
                       });
+#endif
   return out;
 }
 
