@@ -38,6 +38,7 @@ class NativeCopier:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
+        self._lib = lib
         self._copy = lib.kv_copy_crc32c
         self._copy.restype, self._copy.argtypes = ctypes.c_uint32, [_P, _P, ctypes.c_size_t,
                                                                     ctypes.c_uint32]
@@ -45,6 +46,26 @@ class NativeCopier:
         self._blocks.restype = _I64
         self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
                                  _P]
+
+    @property
+    def avx2(self) -> bool:
+        """Whether runs move 32 bytes at a time (the CPU has AVX2; asked on first use)."""
+        flag = ctypes.c_int.in_dll(self._lib, "kv_copy_avx2")
+        if flag.value < 0:
+            self.copy_crc32c(np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8))
+        return bool(flag.value)
+
+    @avx2.setter
+    def avx2(self, on: bool) -> None:
+        """Turn the 32-byte path off (or back on where the CPU has it), to test or
+        compare the 8-byte one."""
+        if on and not self.avx2_supported:
+            raise ValueError("avx2: this CPU has no AVX2")
+        ctypes.c_int.in_dll(self._lib, "kv_copy_avx2").value = int(on)
+
+    @property
+    def avx2_supported(self) -> bool:
+        return "avx2" in _cpu_flags()
 
     def copy_crc32c(self, dst: np.ndarray, src: np.ndarray, crc: int = 0) -> int:
         """Copy ``src`` into ``dst`` (same byte length) and return the CRC32C of the bytes,

@@ -5,26 +5,31 @@
  * CRC(A|B) = shift(CRC(A), |B|) ^ CRC0(B), where shift() is a fixed linear map for a
  * given lane length, applied with four table lookups (the tables are built per call
  * from the instruction itself, so no polynomial arithmetic is written out here). Each
- * 8-byte word is loaded once, stored to the destination and fed to its lane's CRC.
- * The stores bypass the cache (movnti): a handoff is far larger than the cache, and
- * cached stores first read every destination line (measured here, 3 GB of fp32 blocks
- * in random order: 0.64 of memcpy's rate with cached stores, 0.74-0.78 streamed).
+ * word is loaded once, stored to the destination and fed to its lane's CRC: 32 bytes
+ * at a time where the CPU has AVX2 and the destination is 32-byte aligned, else 8.
+ * The stores bypass the cache (vmovntdq, movnti): a handoff is far larger than the
+ * cache, and cached stores first read every destination line (measured here, 3 GB of
+ * fp32 blocks in random order: 0.64 of memcpy's rate with cached stores, 0.74-0.78
+ * streamed).
  *
  * CRC values in and out follow the usual CRC32C convention (initial and final XOR
  * with 0xffffffff), as the `crc32c` Python package's do, so a running value chains.
  */
-#include <emmintrin.h>
-#include <nmmintrin.h>
-#include <xmmintrin.h>
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #define MIN_LANE 64   /* shorter runs take one lane: the joins would cost more */
-#define PREFETCH 256  /* bytes of each lane of a later run fetched ahead... */
-#define AHEAD 3       /* ...this many runs ahead */
+#define PREFETCH 256 /* bytes of each lane of a later run fetched ahead... */
+#define AHEAD 3      /* ...this many runs ahead */
+
+/* Whether lanes move 32 bytes at a time: -1 until the first plan asks the CPU (AVX2);
+ * a caller may set 0 to take the 8-byte path (tests, comparisons). */
+int kv_copy_avx2 = -1;
 
 typedef struct {
-    size_t lane;              /* bytes per lane, a multiple of 8; 0: one lane */
+    size_t lane;              /* bytes per lane, a multiple of 8 (of 32 with avx2); 0: one lane */
+    int avx2;                 /* this CPU has AVX2: lanes move 32 bytes at a time */
     uint32_t shift[4][256];   /* register -> register after `lane` zero bytes, per byte */
 } plan_t;
 
@@ -36,7 +41,10 @@ static uint32_t zeros(uint32_t reg, size_t n) {
 }
 
 static void plan_init(plan_t *p, size_t n) {
-    p->lane = (n / 24) * 8;
+    if (kv_copy_avx2 < 0)
+        kv_copy_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    p->avx2 = kv_copy_avx2;
+    p->lane = p->avx2 ? (n / 96) * 32 : (n / 24) * 8;
     if (p->lane < MIN_LANE) {
         p->lane = 0;
         return;
@@ -82,6 +90,52 @@ static uint32_t lane1(uint8_t *dst, const uint8_t *src, size_t n, uint32_t reg) 
     return r;
 }
 
+/* The three lanes 32 bytes at a time (AVX2), each vector fed to its lane's CRC as four
+ * words taken out of the register. On a Zen 3 core (no AVX-512) this moved scattered
+ * 6-12 KB runs 1.6-2x as fast as the 8-byte loop below, whose movnti stores ran there
+ * at 3-5 GB/s a thread. L is a multiple of 32 and dst 32-byte aligned (vmovntdq). */
+#define CRC4(r, v)                                                                          \
+    do {                                                                                    \
+        __m128i lo_ = _mm256_castsi256_si128(v), hi_ = _mm256_extracti128_si256(v, 1);      \
+        r = _mm_crc32_u64(r, (uint64_t)_mm_cvtsi128_si64(lo_));                             \
+        r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(lo_, 1));                          \
+        r = _mm_crc32_u64(r, (uint64_t)_mm_cvtsi128_si64(hi_));                             \
+        r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(hi_, 1));                          \
+    } while (0)
+
+__attribute__((target("avx2,sse4.2"))) static void lanes_avx2(uint8_t *dst, const uint8_t *src,
+                                                               size_t L, uint64_t *a,
+                                                               uint64_t *b, uint64_t *c) {
+    uint64_t ra = *a, rb = *b, rc = *c;
+    for (size_t i = 0; i < L; i += 32) {
+        __m256i va = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i vb = _mm256_loadu_si256((const __m256i *)(src + L + i));
+        __m256i vc = _mm256_loadu_si256((const __m256i *)(src + 2 * L + i));
+        _mm256_stream_si256((__m256i *)(dst + i), va);
+        _mm256_stream_si256((__m256i *)(dst + L + i), vb);
+        _mm256_stream_si256((__m256i *)(dst + 2 * L + i), vc);
+        CRC4(ra, va);
+        CRC4(rb, vb);
+        CRC4(rc, vc);
+    }
+    *a = ra, *b = rb, *c = rc;
+}
+
+static void lanes_words(uint8_t *dst, const uint8_t *src, size_t L, uint64_t *a, uint64_t *b,
+                        uint64_t *c) {
+    uint64_t ra = *a, rb = *b, rc = *c;
+    for (size_t i = 0; i < L; i += 8) {
+        uint64_t wa = word(src + i), wb = word(src + L + i), wc = word(src + 2 * L + i);
+        _mm_stream_si64((long long *)(dst + i), (long long)wa);
+        _mm_stream_si64((long long *)(dst + L + i), (long long)wb);
+        _mm_stream_si64((long long *)(dst + 2 * L + i), (long long)wc);
+        ra = _mm_crc32_u64(ra, wa);
+        rb = _mm_crc32_u64(rb, wb);
+        rc = _mm_crc32_u64(rc, wc);
+    }
+    *a = ra, *b = rb, *c = rc;
+}
+
 /* Copy n bytes src -> dst and return the raw register after them, starting from reg. */
 static uint32_t copy_run(const plan_t *p, uint8_t *dst, const uint8_t *src, size_t n,
                          uint32_t reg) {
@@ -89,15 +143,10 @@ static uint32_t copy_run(const plan_t *p, uint8_t *dst, const uint8_t *src, size
         return lane1(dst, src, n, reg);
     const size_t L = p->lane;
     uint64_t a = reg, b = 0, c = 0;
-    for (size_t i = 0; i < L; i += 8) {
-        uint64_t wa = word(src + i), wb = word(src + L + i), wc = word(src + 2 * L + i);
-        _mm_stream_si64((long long *)(dst + i), (long long)wa);
-        _mm_stream_si64((long long *)(dst + L + i), (long long)wb);
-        _mm_stream_si64((long long *)(dst + 2 * L + i), (long long)wc);
-        a = _mm_crc32_u64(a, wa);
-        b = _mm_crc32_u64(b, wb);
-        c = _mm_crc32_u64(c, wc);
-    }
+    if (p->avx2 && ((uintptr_t)dst & 31) == 0)
+        lanes_avx2(dst, src, L, &a, &b, &c);
+    else
+        lanes_words(dst, src, L, &a, &b, &c);
     uint32_t r = shift(p, shift(p, (uint32_t)a) ^ (uint32_t)b) ^ (uint32_t)c;
     return lane1(dst + 3 * L, src + 3 * L, n - 3 * L, r);
 }

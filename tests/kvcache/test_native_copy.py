@@ -1,6 +1,7 @@
 """The native copy + CRC32C: its CRC against the ``crc32c`` package (the oracle) on odd
-lengths and offsets, the verified block copy per dtype, the build on first use (two
-processes at once) and the fallback where it cannot be built."""
+lengths and offsets, the verified block copy per dtype, each through the 32-byte (AVX2)
+and the 8-byte path, the build on first use (two processes at once) and the fallback
+where it cannot be built."""
 
 from __future__ import annotations
 
@@ -28,12 +29,23 @@ REPO = Path(__file__).resolve().parents[2]
 BUILDABLE = platform.machine() == "x86_64" and shutil.which("cc") is not None
 
 
-@pytest.fixture
-def native():
+@pytest.fixture(params=["avx2", "words"])
+def native(request):
+    """The native copier, its runs moved 32 bytes at a time (AVX2) or 8."""
     copier = native_copier()
     if copier is None:
         pytest.skip("no native copy on this machine")
-    return copier
+    if request.param == "avx2" and not copier.avx2_supported:
+        pytest.skip("no AVX2 on this CPU")
+    saved = copier.avx2
+    copier.avx2 = request.param == "avx2"
+    yield copier
+    copier.avx2 = saved
+
+
+def aligned(a: np.ndarray, at: int = 32) -> int:
+    """The first offset into ``a`` whose address is a multiple of ``at``."""
+    return -a.ctypes.data % at
 
 
 @pytest.mark.skipif(not BUILDABLE, reason="needs x86-64 and a C compiler")
@@ -48,10 +60,13 @@ LENGTHS = [0, 1, 7, 8, 9, 63, 191, 192, 193, 200, 1000, 1537, 4097, 12289, 50001
 @pytest.mark.parametrize("length", LENGTHS)
 def test_copy_crc32c_is_the_packages_crc_at_odd_lengths_and_offsets(native, length):
     rng = np.random.default_rng(length)
-    data = rng.integers(0, 256, length + 16, dtype=np.uint8)
-    for src_off, dst_off, start in [(0, 0, 0), (1, 3, 0), (5, 2, 0x12345678), (7, 7, 1)]:
+    data = rng.integers(0, 256, length + 32, dtype=np.uint8)
+    out = rng.integers(0, 256, length + 32, dtype=np.uint8)
+    at = aligned(out)   # a destination where the 32-byte stores may be used
+    for src_off, dst_off, start in [(0, at, 0), (1, at, 7), (1, 3, 0), (5, 2, 0x12345678),
+                                    (7, 7, 1)]:
         src = data[src_off:src_off + length]
-        out = rng.integers(0, 256, length + 16, dtype=np.uint8)
+        out[:] = rng.integers(0, 256, out.size, dtype=np.uint8)
         guard = out.copy()
         got = native.copy_crc32c(out[dst_off:dst_off + length], src, start)
         assert got == crc32c.crc32c(src.tobytes(), value=start)
