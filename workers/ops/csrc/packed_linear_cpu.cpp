@@ -14,13 +14,15 @@
 // half the instructions of widening the weights to fp32; the int16 rounding is 1/65534 of
 // the row's largest value, far below the weights' own int8 rounding. W8A8's int8
 // activations widened the same way give its exact int32 product (int8_packed_mm).
+// Without AVX-512 (a Zen 3 EPYC, older Xeons) AVX2's vpmaddwd does the same on 16 pairs
+// and F16C widens the fp16 weights; only CPUs without AVX2 take the scalar loops.
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -44,9 +46,27 @@ void quantize_rows_int16(const float* x, int64_t rows, int64_t in, int64_t padde
   }
 }
 
+#if defined(__AVX2__)
+// The sum of a register's eight int32 lanes.
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// The sum of a register's eight fp32 lanes.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // Exact int32 sums of one int16 row with a block's int8 channels over packed steps
-// [s0, s1): per channel, one vector of partial sums (lanes) with AVX-512 BW, one
-// integer without.
+// [s0, s1): per channel, one vector of partial sums (lanes) with AVX-512 BW or AVX2
+// (vpmaddwd on 32 or 16 pairs), one integer without.
 #if defined(__AVX512BW__)
 using Int32Lanes = __m512i;
 
@@ -64,6 +84,31 @@ inline void accumulate_steps(const int16_t* x, const int8_t* q, int64_t s0, int6
 #else
       acc[c] = _mm512_add_epi32(acc[c], _mm512_madd_epi16(xv, w));
 #endif
+    }
+  }
+}
+#elif defined(__AVX2__)
+using Int32Lanes = __m256i;
+
+inline __m256i widened(const int8_t* q) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+}
+
+// Channels [c0, c0 + C) only: with C = 4 the sums, their fp32 totals and the row fit
+// AVX2's 16 registers (all 8 channels' spilled, at half the speed).
+template <int64_t C = kBlock>
+inline void accumulate_steps(const int16_t* x, const int8_t* q, int64_t s0, int64_t s1,
+                             Int32Lanes* acc, int64_t c0 = 0) {
+  for (int64_t c = 0; c < C; ++c) acc[c] = _mm256_setzero_si256();
+  for (int64_t s = s0; s < s1; ++s) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + s * kInt8Cols));
+    const __m256i x1 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + s * kInt8Cols + 16));
+    const int8_t* step = q + (s * kBlock + c0) * kInt8Cols;
+    for (int64_t c = 0; c < C; ++c) {
+      const int8_t* w = step + c * kInt8Cols;
+      acc[c] = _mm256_add_epi32(acc[c], _mm256_add_epi32(_mm256_madd_epi16(x0, widened(w)),
+                                                         _mm256_madd_epi16(x1, widened(w + 16))));
     }
   }
 }
@@ -98,6 +143,19 @@ void int8_block_dot(const int16_t* x, const int8_t* q, const float* scale, int64
                                  _mm512_set1_ps(scale[c * groups + g]), total[c]);
   }
   for (int64_t c = 0; c < kBlock; ++c) out[c] = _mm512_reduce_add_ps(total[c]) * xs;
+#elif defined(__AVX2__)
+  constexpr int64_t kHalf = kBlock / 2;
+  for (int64_t c0 = 0; c0 < kBlock; c0 += kHalf) {
+    __m256 total[kHalf];
+    for (auto& t : total) t = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      accumulate_steps<kHalf>(x, q, g * steps_per_group, (g + 1) * steps_per_group, acc, c0);
+      for (int64_t c = 0; c < kHalf; ++c)
+        total[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[c]),
+                                   _mm256_set1_ps(scale[(c0 + c) * groups + g]), total[c]);
+    }
+    for (int64_t c = 0; c < kHalf; ++c) out[c0 + c] = sum8(total[c]) * xs;
+  }
 #else
   float total[kBlock] = {};
   for (int64_t g = 0; g < groups; ++g) {
@@ -117,6 +175,8 @@ void int8_block_mm(const int16_t* x, const int8_t* q, int64_t steps, int32_t* ou
   for (int64_t c = 0; c < kBlock; ++c) {
 #if defined(__AVX512BW__)
     out[c] = _mm512_reduce_add_epi32(acc[c]);
+#elif defined(__AVX2__)
+    out[c] = sum8(acc[c]);
 #else
     out[c] = acc[c];
 #endif
@@ -138,6 +198,19 @@ void half_block_dot(const float* x, const at::Half* w, int64_t steps, float* out
                                acc[c]);
   }
   for (int64_t c = 0; c < kBlock; ++c) out[c] = _mm512_reduce_add_ps(acc[c]);
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  __m256 acc[kBlock];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    const __m256 x0 = _mm256_loadu_ps(x + s * kHalfCols), x1 = _mm256_loadu_ps(x + s * kHalfCols + 8);
+    const at::Half* step = w + s * kBlock * kHalfCols;
+    for (int64_t c = 0; c < kBlock; ++c) {
+      const __m128i* h = reinterpret_cast<const __m128i*>(step + c * kHalfCols);
+      acc[c] = _mm256_fmadd_ps(x0, _mm256_cvtph_ps(_mm_loadu_si128(h)), acc[c]);
+      acc[c] = _mm256_fmadd_ps(x1, _mm256_cvtph_ps(_mm_loadu_si128(h + 1)), acc[c]);
+    }
+  }
+  for (int64_t c = 0; c < kBlock; ++c) out[c] = sum8(acc[c]);
 #else
   for (int64_t c = 0; c < kBlock; ++c) {
     float acc = 0.f;
@@ -238,13 +311,6 @@ constexpr int64_t kPairs = kBlock / 2;
 inline __m512i biased_twice(const int8_t* x) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_broadcast_i64x4(_mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))));
-}
-
-inline int32_t sum8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
 }
 
 // The two channels of a pair register: lanes 0-7 and 8-15 summed.
