@@ -126,6 +126,11 @@ class BlockChecksums:
         self._sums = np.zeros(slabs.shape[1], dtype=np.uint64)
         self._valid = np.zeros(slabs.shape[1], dtype=bool)
 
+    @property
+    def slabs(self) -> np.ndarray:
+        """The pool's byte view the checksums are of (made once, with the pool)."""
+        return self._slabs
+
     def written(self, blocks: Sequence[int] | np.ndarray) -> None:
         self._valid[np.asarray(blocks, dtype=np.int64)] = False
 

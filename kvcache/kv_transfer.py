@@ -21,13 +21,15 @@ scatters it into the pool (``pool_rows``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 import numpy as np
 import pyarrow as pa
@@ -87,10 +89,16 @@ class KVLayoutMeta:
         kv_type = pa.fixed_shape_tensor(_WIRE[self.dtype][1], self.block_shape)
         return [("block_hash", pa.binary()), ("num_tokens", pa.int32()), ("kv", kv_type)]
 
-    def metadata(self) -> dict[bytes, bytes]:
-        """The schema metadata naming this layout; each batch adds its checksum."""
-        fields = {"format_version": FORMAT_VERSION, **asdict(self)}
-        return {k.encode(): str(v).encode() for k, v in fields.items()}
+    def metadata(self) -> Mapping[bytes, bytes]:
+        """The schema metadata naming this layout; each batch adds its checksum. Made
+        once per layout (every handoff asks for it twice)."""
+        return _layout_metadata(self)
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_metadata(meta: KVLayoutMeta) -> Mapping[bytes, bytes]:
+    fields = {"format_version": FORMAT_VERSION, **asdict(meta)}
+    return MappingProxyType({k.encode(): str(v).encode() for k, v in fields.items()})
 
 
 @dataclass
@@ -271,14 +279,13 @@ def _block_elems(meta: KVLayoutMeta) -> int:
 
 def _check_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta) -> None:
     """The pool in the caller's hands matches ``meta``: a local bug, not a transfer error."""
-    layer_shape = (2, *meta.layer_block_shape)
+    layer_shape = (2, kv_caches[0].shape[1], *meta.layer_block_shape)
+    dtype = _WIRE.get(meta.dtype, (None,))[0]
     for kv in kv_caches:
-        if (_DTYPE_NAMES.get(kv.dtype) != meta.dtype or not kv.is_contiguous()
-                or (kv.shape[0], *kv.shape[2:]) != layer_shape
-                or kv.shape[1] != kv_caches[0].shape[1]):
+        if kv.dtype != dtype or kv.shape != layer_shape or not kv.is_contiguous():
             raise ValueError(f"kv_caches: got a {kv.dtype} layer of shape {tuple(kv.shape)}; "
                              f"expected contiguous {meta.dtype} (2, num_blocks, "
-                             f"{', '.join(map(str, layer_shape[1:]))})")
+                             f"{', '.join(map(str, layer_shape[2:]))})")
     if len(kv_caches) != meta.num_layers:
         raise ValueError(f"kv_caches: got {len(kv_caches)} layers; expected {meta.num_layers}")
 

@@ -254,7 +254,11 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                               f"expected ids in [0, {src_blocks})")
     ids = check_destination(kv_caches, dst_block_ids)
 
-    dst = _slab_bytes(kv_caches)
+    dst = checksums.slabs
+    if dst.ctypes.data != kv_caches[0].data_ptr() or dst.shape[:2] != (2 * len(kv_caches),
+                                                                        kv_caches[0].shape[1]):
+        raise ValueError("checksums: expected the store of this pool (pool_checksums of "
+                         "kv_caches)")
     slab_bytes = dst.shape[2]
     need = dst.shape[0] * src_blocks * slab_bytes
     if need > segment.nbytes:

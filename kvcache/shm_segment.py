@@ -45,16 +45,20 @@ class SegmentHandle:
 
 
 class SharedSegment:
-    """``nbytes`` of zeroed, pre-faulted shared memory owned by this process."""
+    """At least ``nbytes`` of zeroed, pre-faulted shared memory owned by this process
+    (``handle.nbytes`` says how many: huge pages round it up)."""
 
     def __init__(self, nbytes: int, name: str = "kvpool") -> None:
         if nbytes <= 0:
             raise ValueError(f"shared segment size: got {nbytes} bytes; expected > 0")
         self.huge_pages = False
-        if hasattr(os, "MFD_HUGETLB") and nbytes % _HUGE_PAGE == 0:
-            try:   # hugetlbfs reserves the pages at mmap, so too few fail here, not later
-                self.fd, self.buffer = _map_new(name, nbytes, os.MFD_HUGETLB)
-                self.huge_pages = True
+        if hasattr(os, "MFD_HUGETLB"):
+            # hugetlbfs reserves the pages at mmap, so too few fail here, not later; its
+            # files are whole pages, so the segment grows to the next one (the tail unused)
+            whole = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+            try:
+                self.fd, self.buffer = _map_new(name, whole, os.MFD_HUGETLB)
+                self.huge_pages, nbytes = True, whole
             except OSError:
                 pass
         if not self.huge_pages:

@@ -3,6 +3,7 @@ sender refused or survived cleanly, and the choice of transport per pair of work
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -204,7 +205,9 @@ def test_a_sender_killed_mid_handoff_leaves_a_consistent_receiver_and_no_segment
                              for k in ("pid", "fd", "inode", "nbytes")))
     peers = PeerSegments()
     # Mid-handoff: import_shared has mapped the segment and copies out of this view.
-    source = np.frombuffer(peers.map(handle), dtype=np.uint8).reshape(_slab_bytes(dst).shape)
+    shape = _slab_bytes(dst).shape   # the segment may be longer (huge pages round it up)
+    source = np.frombuffer(peers.map(handle), dtype=np.uint8,
+                           count=math.prod(shape)).reshape(shape)
     assert set(os.listdir("/dev/shm")) == shm_before   # the segment has no name
     assert _mapped_here("kvpool-killed-sender")
     _kill(proc)
@@ -227,13 +230,30 @@ def test_a_sender_killed_mid_handoff_leaves_a_consistent_receiver_and_no_segment
 
 def test_segment_is_zeroed_prefaulted_and_mapped_by_a_peer_read_only():
     seg = SharedSegment(3 << 20)
-    assert seg.buffer[:] == bytes(3 << 20)
+    assert len(seg.buffer) >= 3 << 20 and seg.buffer[:] == bytes(len(seg.buffer))
     assert seg.handle.pid == os.getpid() and not Path(seg.handle.path).name.startswith("/")
     mapped = PeerSegments().map(seg.handle)
     seg.buffer[12345] = 7
     assert mapped[12345] == 7
     with pytest.raises(TypeError):
         mapped[0] = 1
+
+
+def _free_huge_pages() -> int:
+    text = Path("/proc/meminfo").read_text()
+    return int(text.split("HugePages_Free:")[1].split()[0]) if "HugePages_Free:" in text else 0
+
+
+@pytest.mark.skipif(_free_huge_pages() < 4, reason="no 2 MB huge pages reserved "
+                    "(vm.nr_hugepages); the segment then takes 4 KB pages")
+def test_a_segment_of_any_size_takes_reserved_huge_pages_whole():
+    """hugetlbfs files are whole 2 MB pages: a pool of another size still gets them,
+    its segment rounded up, and a peer maps all of it."""
+    seg = SharedSegment((3 << 20) + 5)
+    assert seg.huge_pages and seg.handle.nbytes == 4 << 20
+    mapped = PeerSegments().map(seg.handle)
+    seg.buffer[(3 << 20) + 4] = 9
+    assert len(mapped) == 4 << 20 and mapped[(3 << 20) + 4] == 9
 
 
 def test_same_node_shares_memory_and_another_node_uses_the_object_store_in_parts():
