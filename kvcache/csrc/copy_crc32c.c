@@ -20,8 +20,8 @@
 #include <string.h>
 
 #define MIN_LANE 64   /* shorter runs take one lane: the joins would cost more */
-#define PREFETCH 256 /* bytes of each lane of a later run fetched ahead... */
-#define AHEAD 3      /* ...this many runs ahead */
+#define PREFETCH 256  /* bytes of each lane of a later run fetched ahead... */
+#define AHEAD 3       /* ...this many runs ahead */
 
 /* Whether lanes move 32 bytes at a time: -1 until the first plan asks the CPU (AVX2);
  * a caller may set 0 to take the 8-byte path (tests, comparisons). */
