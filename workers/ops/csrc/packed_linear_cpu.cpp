@@ -95,7 +95,7 @@ inline __m256i widened(const int8_t* q) {
 }
 
 // Channels [c0, c0 + C) only: with C = 4 the sums, their fp32 totals and the row fit
-// AVX2's 16 registers (all 8 channels' spilled, at half the speed).
+// AVX2's 16 registers (all 8 channels' spilled: 110 against 86 us for a 3072x576 layer).
 template <int64_t C = kBlock>
 inline void accumulate_steps(const int16_t* x, const int8_t* q, int64_t s0, int64_t s1,
                              Int32Lanes* acc, int64_t c0 = 0) {
