@@ -38,7 +38,7 @@ class NativeCopier:
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        self._lib = lib
+        self._avx2 = ctypes.c_int.in_dll(lib, "kv_copy_avx2")   # -1 until the first copy
         self._copy = lib.kv_copy_crc32c
         self._copy.restype, self._copy.argtypes = ctypes.c_uint32, [_P, _P, ctypes.c_size_t,
                                                                     ctypes.c_uint32]
@@ -50,10 +50,9 @@ class NativeCopier:
     @property
     def avx2(self) -> bool:
         """Whether runs move 32 bytes at a time (the CPU has AVX2; asked on first use)."""
-        flag = ctypes.c_int.in_dll(self._lib, "kv_copy_avx2")
-        if flag.value < 0:
+        if self._avx2.value < 0:   # a copy of nothing makes the library ask the CPU
             self.copy_crc32c(np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8))
-        return bool(flag.value)
+        return bool(self._avx2.value)
 
     @avx2.setter
     def avx2(self, on: bool) -> None:
@@ -61,7 +60,7 @@ class NativeCopier:
         compare the 8-byte one."""
         if on and not self.avx2_supported:
             raise ValueError("avx2: this CPU has no AVX2")
-        ctypes.c_int.in_dll(self._lib, "kv_copy_avx2").value = int(on)
+        self._avx2.value = int(on)
 
     @property
     def avx2_supported(self) -> bool:
