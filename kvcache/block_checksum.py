@@ -14,8 +14,8 @@ A pool's bytes are read as ``(layers * 2, num_blocks, slab_bytes)``: slab ``k`` 
 
 from __future__ import annotations
 
-import ctypes
 import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,11 +50,12 @@ def copy_verified(src: np.ndarray, src_blocks: Sequence[int], dst: np.ndarray,
     ``dst`` may be left holding part of the copy whatever the outcome.
 
     ``threads`` threads take a share of the blocks each. The native copy computes the
-    CRC from the words it moves, without the GIL, in ascending source order, a slab of
-    every block of its share before the next slab (near-sequential reads in a pool of
-    4 KB pages; a mismatch shows once its share is copied). Without it, numpy copies
-    each block (no GIL) and the ``crc32c`` package hashes the copy while it is in cache,
-    and a mismatch stops the copying soon after.
+    CRC from the words it moves, without the GIL, on OpenMP's threads, in ascending
+    source order, a slab of every block of its share before the next slab (near-
+    sequential reads in a pool of 4 KB pages; a mismatch shows once its share is
+    copied). Without it, numpy copies each block (no GIL) on a thread pool and the
+    ``crc32c`` package hashes the copy while it is in cache, and a mismatch stops the
+    copying soon after.
     """
     n = len(src_blocks)
     src_ids = _block_ids(src_blocks, src.shape[1], "source")
@@ -65,26 +66,23 @@ def copy_verified(src: np.ndarray, src_blocks: Sequence[int], dst: np.ndarray,
                          "expected one of each per block, slabs of one shape")
     expected = np.ascontiguousarray(checksums, dtype=np.uint64)
     native = native_copier()
-    stop = ctypes.c_int(0)
     if native is not None:
         order = np.argsort(src_ids, kind="stable")
-        by_src = [np.ascontiguousarray(a[order]) for a in (src_ids, dst_ids, expected)]
-        regs = np.empty(n, dtype=np.uint32)
+        bad = native.copy_blocks(src, np.ascontiguousarray(src_ids[order]), dst,
+                                 np.ascontiguousarray(dst_ids[order]),
+                                 np.ascontiguousarray(expected[order]), threads)
+        return None if bad is None else int(order[bad])
+    stop = threading.Event()
 
-        def share(first: int, end: int) -> int | None:
-            bad = native.copy_blocks(src, by_src[0], dst, by_src[1], by_src[2], regs, first,
-                                     end, stop)
-            return None if bad is None else int(order[bad])
-    else:
-        def share(first: int, end: int) -> int | None:
-            for i in range(first, end):
-                if stop.value:
-                    return None
-                dst[:, dst_ids[i]] = src[:, src_ids[i]]
-                if block_checksum(dst, dst_ids[i]) != expected[i]:
-                    stop.value = 1
-                    return i
-            return None
+    def share(first: int, end: int) -> int | None:
+        for i in range(first, end):
+            if stop.is_set():
+                return None
+            dst[:, dst_ids[i]] = src[:, src_ids[i]]
+            if block_checksum(dst, dst_ids[i]) != expected[i]:
+                stop.set()
+                return i
+        return None
     return _in_shares(share, n, threads)
 
 

@@ -3,10 +3,12 @@
 The C file is compiled once per machine with the system C compiler (``$CC`` or ``cc``)
 into the project's cache, keyed by its source and flags, and published whole
 (``build_cache.publish``), so tests and workers build it on first use and two processes
-building at once do not race. ctypes calls release the GIL, so threads that each copy a
-share of the blocks run in parallel. Where it cannot be had (not x86-64, no SSE4.2, no
-compiler, a failed build) ``native_copier()`` is None, the copy takes the numpy +
-``crc32c`` path, and the log says which one a process uses.
+building at once do not race. A block copy splits its blocks over OpenMP threads (ctypes
+releases the GIL); torch is imported before the library is loaded so that both use one
+OpenMP runtime, whose threads torch keeps awake (why that matters: the C file). Where it
+cannot be had (not x86-64, no SSE4.2, no compiler, a failed build) ``native_copier()``
+is None, the copy takes the numpy + ``crc32c`` path, and the log says which one a
+process uses.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import torch  # noqa: F401  (loads torch's OpenMP runtime, which the library then shares)
 
 from kvcache.build_cache import cache_root, publish
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "copy_crc32c.c"
-_FLAGS = ("-O3", "-msse4.2", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-msse4.2", "-fopenmp", "-shared", "-fPIC")
 _CHECK = (b"123456789", 0xE3069283)   # CRC32C's published check value
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -44,8 +47,8 @@ class NativeCopier:
                                                                     ctypes.c_uint32]
         self._blocks = lib.kv_copy_blocks_crc32c
         self._blocks.restype = _I64
-        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
-                                 _P]
+        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64,
+                                 ctypes.c_int]
 
     @property
     def avx2(self) -> bool:
@@ -75,20 +78,18 @@ class NativeCopier:
         return self._copy(dst.ctypes.data, src.ctypes.data, src.nbytes, crc)
 
     def copy_blocks(self, src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray,
-                    dst_ids: np.ndarray, expected: np.ndarray, regs: np.ndarray, first: int,
-                    end: int, stop: ctypes.c_int) -> int | None:
-        """Rows ``first:end`` of a verified copy between ``(slabs, blocks, slab_bytes)``
-        pools (ids in range, checked by the caller; fastest in ascending ``src_ids``),
-        ``regs`` (uint32, a row each) holding the running CRCs: the first row whose
-        CRC32C is not ``expected``'s, else None; stops early once another share sets
-        ``stop``."""
+                    dst_ids: np.ndarray, expected: np.ndarray, threads: int) -> int | None:
+        """A verified copy between ``(slabs, blocks, slab_bytes)`` pools (ids int64, in
+        range, checked by the caller; fastest in ascending ``src_ids``) on ``threads``
+        threads: the first row whose CRC32C is not ``expected``'s (uint64), else None."""
         if not (src.flags.c_contiguous and dst.flags.c_contiguous):
             raise ValueError("copy_blocks: expected C-contiguous (slabs, blocks, slab_bytes) "
                              "pools, as _slab_bytes gives")
+        regs = np.empty(len(src_ids), dtype=np.uint32)
         bad = self._blocks(dst.ctypes.data, dst.shape[1], dst_ids.ctypes.data,
                            src.ctypes.data, src.shape[1], src_ids.ctypes.data,
                            expected.ctypes.data, regs.ctypes.data, src.shape[0],
-                           src.shape[2], first, end, ctypes.byref(stop))
+                           src.shape[2], len(src_ids), threads)
         return None if bad < 0 else int(bad)
 
 

@@ -168,12 +168,11 @@ uint32_t kv_copy_crc32c(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc
  * when the ids are dense, and the start of the run three ahead is prefetched while one
  * is copied (each run starts on a page the hardware prefetcher has not seen). Returns
  * the first i whose copy does not match (and sets *stop), or -1; returns early, with
- * -1, once *stop is set by another caller sharing it. */
-int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
-                              const uint8_t *src, int64_t src_pool_blocks,
-                              const int64_t *src_ids, const uint64_t *expected,
-                              uint32_t *regs, int64_t slabs, int64_t slab_bytes,
-                              int64_t first, int64_t end, int *stop) {
+ * -1, once *stop is set by another share. */
+static int64_t copy_share(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
+                          const uint8_t *src, int64_t src_pool_blocks, const int64_t *src_ids,
+                          const uint64_t *expected, uint32_t *regs, int64_t slabs,
+                          int64_t slab_bytes, int64_t first, int64_t end, int *stop) {
     plan_t p;
     plan_init(&p, (size_t)slab_bytes);
     const size_t dst_step = (size_t)(dst_pool_blocks * slab_bytes);
@@ -205,4 +204,36 @@ int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64
             return i;
         }
     return -1;
+}
+
+/* The n blocks in `threads` consecutive shares (copy_share), one per OpenMP thread;
+ * regs holds n running CRCs. Returns the least i whose copy does not match, or -1 (a
+ * mismatch stops the other shares early, so the copy may be left partial).
+ *
+ * The shares run on OpenMP's threads rather than a thread pool of the caller's because
+ * this library shares torch's OpenMP runtime (native_copy.py loads torch first): after
+ * each torch op its worker threads spin for some milliseconds, and a second pool's
+ * threads would wait for the cores they hold. Measured on two cores right after a torch
+ * op, 2K fp16 tokens: two Python threads copied at the speed of one, 53-63% of memcpy;
+ * torch's OpenMP team, already awake, 93-113%. */
+int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
+                              const uint8_t *src, int64_t src_pool_blocks,
+                              const int64_t *src_ids, const uint64_t *expected,
+                              uint32_t *regs, int64_t slabs, int64_t slab_bytes, int64_t n,
+                              int threads) {
+    int stop = 0;
+    int64_t bad = INT64_MAX;
+    if (threads > n)
+        threads = n > 0 ? (int)n : 1;
+    if (threads < 1)
+        threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(min : bad)
+    for (int t = 0; t < threads; t++) {
+        int64_t b = copy_share(dst, dst_pool_blocks, dst_ids, src, src_pool_blocks, src_ids,
+                               expected, regs, slabs, slab_bytes, n * t / threads,
+                               n * (t + 1) / threads, &stop);
+        if (b >= 0)
+            bad = b;
+    }
+    return bad == INT64_MAX ? -1 : bad;
 }

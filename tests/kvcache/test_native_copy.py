@@ -129,3 +129,26 @@ def test_without_a_compiler_the_copy_falls_back_and_says_so(tmp_path, monkeypatc
     finally:
         native_copier.cache_clear()
     assert "unavailable" in caplog.text and "crc32c package" in caplog.text
+
+
+def test_the_copy_threads_are_torchs_openmp_threads():
+    """The library is an OpenMP program that shares torch's runtime, even loaded before
+    anything imports torch: one libgomp in the process, so the copy runs on the threads
+    torch keeps awake instead of competing with them."""
+    native = native_copier()
+    if native is None:
+        pytest.skip("no native copy on this machine")
+    assert b"libgomp.so.1" in native.path.read_bytes()   # linked with -fopenmp
+    probe = ("from pathlib import Path\n"
+             "from kvcache.native_copy import native_copier\n"
+             "assert native_copier() is not None\n"
+             "import torch\n"
+             "maps = Path('/proc/self/maps').read_text().splitlines()\n"
+             "print(sorted({m.split()[-1] for m in maps if 'libgomp' in m}))\n"
+             "print(Path(torch.__file__).parent / 'lib')\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                         text=True, check=True, timeout=120).stdout.splitlines()
+    gomp, torch_lib = eval(out[0]), Path(out[1])   # noqa: S307  (our own print)
+    assert len(gomp) == 1, gomp
+    if (torch_lib / "libgomp.so.1").exists():   # pip wheels bundle it
+        assert Path(gomp[0]).resolve() == (torch_lib / "libgomp.so.1").resolve(), gomp
