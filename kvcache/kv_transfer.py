@@ -235,7 +235,7 @@ def check_destination(kv_caches: Sequence[torch.Tensor],
     """The destination block ids as an array: distinct, in this pool (a local bug if not)."""
     ids = np.asarray(dst_block_ids, dtype=np.int64)
     num_blocks = kv_caches[0].shape[1]
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.unique(ids).size != ids.size):
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.bincount(ids).max() > 1):
         raise ValueError(f"dst_block_ids: got {list(dst_block_ids)}; expected distinct ids "
                          f"in [0, {num_blocks})")
     return ids
