@@ -70,8 +70,7 @@ def import_device(batch: pa.RecordBatch, rows: torch.Tensor, kv_caches: Sequence
         raise KVTransferError(f"KV block {bad[0]}: its rows sum to {got[bad[0]]:#018x}, the "
                               f"sender's to {d.checksums[bad[0]]:#018x}: corrupted in transfer")
     place_rows(rows, kv_caches, ids, host)
-    return ImportedBlocks([int(i) for i in ids], d.hashes, [int(c) for c in d.counts],
-                          d.summaries(batch))
+    return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
 
 
 def row_sums(rows: torch.Tensor) -> torch.Tensor:

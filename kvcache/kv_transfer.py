@@ -227,7 +227,7 @@ def import_blocks(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     if summary is not None:
         summaries = _read_only_tensor(summary).view(
             batch.num_rows, *batch.schema.field("summary").type.shape)
-    return ImportedBlocks([int(i) for i in ids], hashes, [int(c) for c in counts], summaries)
+    return ImportedBlocks(ids.tolist(), hashes, counts.tolist(), summaries)
 
 
 def check_destination(kv_caches: Sequence[torch.Tensor],

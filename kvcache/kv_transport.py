@@ -187,6 +187,7 @@ class Description:
     checksums: np.ndarray
     summary: np.ndarray | None   # [rows, summary values] fp32
     src: np.ndarray | None
+    metadata: dict[bytes, bytes]   # the batch's schema metadata, checked
 
     def summaries(self, batch: pa.RecordBatch) -> torch.Tensor | None:
         if self.summary is None:
@@ -209,7 +210,7 @@ def read_description(batch: pa.RecordBatch, expected_meta: KVLayoutMeta,
                         batch.column("block_hash").to_pylist(),
                         batch.column("checksum").to_numpy(), None,
                         batch.column("src_block").to_numpy()
-                        if "src_block" in batch.schema.names else None)
+                        if "src_block" in batch.schema.names else None, received)
     except (KeyError, pa.ArrowInvalid) as e:
         raise KVTransferError(f"KV description: malformed ({e!r}); expected the columns "
                               "describe() writes") from e
@@ -237,7 +238,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     _check_pool(kv_caches, expected_meta)
     num_host = len(host.block_ids) if host else 0
     d = read_description(batch, expected_meta, len(dst_block_ids) + num_host)
-    received = batch.schema.metadata or {}
+    received = d.metadata
     try:
         segment = SegmentHandle(*(int(received[f"segment_{k}".encode()])
                                   for k in _SEGMENT_FIELDS))
@@ -289,8 +290,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                               f"match checksum {sums[bad]:#018x}: corrupted or "
                               "overwritten in the sender's pool")
     checksums.stored(ids, sums[pool_rows])
-    return ImportedBlocks([int(i) for i in ids], d.hashes, [int(c) for c in d.counts],
-                          d.summaries(batch))
+    return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
 
 
 def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
@@ -306,12 +306,12 @@ def _digest(counts: np.ndarray, hashes: Sequence[bytes | None], checksums: np.nd
             summaries: np.ndarray | None, src: np.ndarray | None) -> str:
     """BLAKE2b over the description's small columns (the checksums cover the payload)."""
     digest = hashlib.blake2b(digest_size=16)
-    for column in (counts.astype("<i4"), checksums.astype("<u8")):
-        digest.update(column.tobytes())
+    digest.update(np.ascontiguousarray(counts, dtype="<i4"))
+    digest.update(np.ascontiguousarray(checksums, dtype="<u8"))
     if src is not None:
-        digest.update(src.astype("<i4").tobytes())
+        digest.update(np.ascontiguousarray(src, dtype="<i4"))
     digest.update(b"".join(b"\xff\xff\xff\xff" if h is None else len(h).to_bytes(4, "little") + h
                            for h in hashes))
     if summaries is not None:
-        digest.update(summaries.astype("<f4").tobytes())
+        digest.update(np.ascontiguousarray(summaries, dtype="<f4"))
     return f"blake2b:{digest.hexdigest()}"
