@@ -15,6 +15,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.cluster.server_process import popen_stoppable_by_sigint
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +46,8 @@ def test_the_server_starts_answers_and_stops(command, tmp_path, free_ports):
     (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log = (tmp_path / "server.log").open("w")
-    proc = subprocess.Popen(command(tmp_path, port), cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = popen_stoppable_by_sigint(command(tmp_path, port), cwd=ROOT, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + _START_TIMEOUT_S

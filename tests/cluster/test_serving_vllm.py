@@ -23,6 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import config_from_dict, with_default_pools
+from tests.cluster.server_process import popen_stoppable_by_sigint
 
 pytestmark = pytest.mark.slow
 
@@ -293,8 +294,8 @@ def test_serve_applies_vllm_flags(tmp_path, free_ports):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = popen_stoppable_by_sigint(cmd, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer k3y"}
     try:
         deadline = time.monotonic() + _TIMEOUT_S
