@@ -214,8 +214,8 @@ static int64_t copy_share(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *
  * this library shares torch's OpenMP runtime (native_copy.py loads torch first): after
  * each torch op its worker threads spin for some milliseconds, and a second pool's
  * threads would wait for the cores they hold. Measured on two cores right after a torch
- * op, 2K fp16 tokens: two Python threads copied at the speed of one, 53-63% of memcpy;
- * torch's OpenMP team, already awake, 93-113%. */
+ * op, 2K fp16 tokens: two Python threads copied at the speed of one, 50-63% of memcpy;
+ * torch's OpenMP team, already awake, 83-113%. */
 int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
                               const uint8_t *src, int64_t src_pool_blocks,
                               const int64_t *src_ids, const uint64_t *expected,
