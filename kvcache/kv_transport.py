@@ -272,8 +272,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     source = np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(dst.shape[0],
                                                                        src_blocks, slab_bytes)
     h0 = host.first_row if host else batch.num_rows
-    pool_rows = (slice(None) if not host else
-                 np.concatenate([np.arange(h0), np.arange(h0 + num_host, batch.num_rows)]))
+    pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows]
     threads = torch.get_num_threads()
     checksums.written(ids)   # from here on they hold part of a copy until it is verified
     bad = copy_verified(source, src[pool_rows], dst, ids, sums[pool_rows], threads)
@@ -283,7 +282,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
                             threads)
         bad = None if bad is None else int(rows[bad])
-    elif bad is not None and host:
+    elif bad is not None:
         bad = int(pool_rows[bad])
     if bad is not None:
         raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "

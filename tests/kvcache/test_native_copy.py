@@ -5,6 +5,7 @@ where it cannot be built."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -139,16 +140,17 @@ def test_the_copy_threads_are_torchs_openmp_threads():
     if native is None:
         pytest.skip("no native copy on this machine")
     assert b"libgomp.so.1" in native.path.read_bytes()   # linked with -fopenmp
-    probe = ("from pathlib import Path\n"
+    probe = ("import json\n"
+             "from pathlib import Path\n"
              "from kvcache.native_copy import native_copier\n"
              "assert native_copier() is not None\n"
              "import torch\n"
              "maps = Path('/proc/self/maps').read_text().splitlines()\n"
-             "print(sorted({m.split()[-1] for m in maps if 'libgomp' in m}))\n"
+             "print(json.dumps(sorted({m.split()[-1] for m in maps if 'libgomp' in m})))\n"
              "print(Path(torch.__file__).parent / 'lib')\n")
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
                          text=True, check=True, timeout=120).stdout.splitlines()
-    gomp, torch_lib = eval(out[0]), Path(out[1])   # noqa: S307  (our own print)
+    gomp, torch_lib = json.loads(out[0]), Path(out[1])
     assert len(gomp) == 1, gomp
     if (torch_lib / "libgomp.so.1").exists():   # pip wheels bundle it
         assert Path(gomp[0]).resolve() == (torch_lib / "libgomp.so.1").resolve(), gomp
