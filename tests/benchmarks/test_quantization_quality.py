@@ -2,11 +2,17 @@
 forward, teacher-forced over real English text (benchmarks/quantization_quality.py).
 
 Issue #15's targets: top-1 agreement >= 97% for every configuration, perplexity
-increase < 2% (w8a16, int8 KV) and < 5% (w8a8). Measured over 1024 tokens
-(benchmarks/RESULTS.md): int8 KV 98.4% / +0.06%, w8a16 (scales per 64 input columns)
-97.4% / +0.19%, w8a8 with SmoothQuant 95.5% / +1.6% (91.7% / +3.4% before it).
-Agreement of w8a8 falls short of 97%, so its floor here is what it reaches, below the
-target, and says so."""
+increase < 2% (w8a16, int8 KV) and < 5% (w8a8). Agreement of w8a8 falls short of 97%, so
+its floor here is what it reaches, below the target, and says so.
+
+The figures of the two configurations that round activations at run time (w8a8's
+per-token int8, int8 KV) are one draw of a distribution: a rounding that flips early
+changes every later layer's input, so a relative change of 1e-6 in the embeddings (as
+another CPU's kernels make) moves them as much as any change of method. Over seven
+such draws of 1025 tokens (benchmarks/RESULTS.md, "The w8a8 quality test's flake") w8a8
+reached 94.5-95.3% / +0.4-1.2% and int8 KV 97.9-98.7% / 0.0-0.1%; w8a16 (scales per 64
+input columns) stayed at 97.37% / +0.19% in every draw. The floors leave room for those
+spreads; over 513 tokens w8a8 spread from 93.4% to 95.3%, too wide for a floor."""
 
 from __future__ import annotations
 
@@ -20,11 +26,11 @@ pytestmark = pytest.mark.slow
 FLOORS = {"fp32": (0.999, 0.001),
           "int8 KV": (0.97, 0.02),       # the issue's target
           "w8a16": (0.97, 0.02),         # the issue's target (group scales)
-          "w8a8": (0.94, 0.03)}          # target 0.97 not met: 95.1% / +0.9% here (512)
+          "w8a8": (0.935, 0.03)}         # target 0.97 not met: 94.5-95.3% / +0.4-1.2%
 
 
 def test_quantized_model_against_hf_fp32(default_model_path):
-    results = measure({k: CONFIGS[k] for k in FLOORS}, 512, default_model_path)
+    results = measure({k: CONFIGS[k] for k in FLOORS}, 1024, default_model_path)
     print(table(results))
     for r in results:
         agreement, increase = FLOORS[r.label]

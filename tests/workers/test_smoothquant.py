@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from workers.loading import load_checkpoint
-from workers.models.calibration import activation_maxima, prefill
+from workers.models import calibration
+from workers.models.calibration import KINDS, activation_maxima, prefill
 from workers.models.decoder import DecoderLM
 from workers.models.smoothquant import ALPHA, smooth_for_w8a8, smooth_weights
 from workers.ops import TorchOps
+from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels, onednn_linear_problem
+from workers.ops.linear_choice import LinearChooser
 
 CPU = torch.device("cpu")
 
@@ -69,6 +72,30 @@ def test_activation_maxima_are_the_projections_inputs(tiny_factory):
         for ours, name in ((m.qkv, "self_attn.q_proj"), (m.o, "self_attn.o_proj"),
                            (m.gate_up, "mlp.gate_proj"), (m.down, "mlp.down_proj")):
             torch.testing.assert_close(ours, seen[p + name], rtol=1e-4, atol=1e-5)
+
+
+def test_activation_maxima_do_not_depend_on_the_linear_kernel_timed_fastest(
+        default_model_path, monkeypatch):
+    """MKL and oneDNN round the same product differently (at the default model's
+    widths; a tiny model's agree), and which one a layer gets is timed at load. The
+    maxima, and through them every rounding of the quantized weights, must come out
+    bit-equal either way, or a loaded w8a8 model depends on the machine's load."""
+    assert load_cpu_kernels() is None
+    if onednn_linear_problem() is not None:
+        pytest.skip(f"oneDNN's linear: {onednn_linear_problem()}")
+    ck = load_checkpoint(default_model_path)
+    ids = calibration.calibration_ids(ck.tokenizer)[:48]
+    offered = CpuOps.linear_candidates
+    got = []
+    for name in ("mkl", "onednn"):
+        monkeypatch.setattr(CpuOps, "linear_candidates", lambda self, w, name=name:
+                            [c for c in offered(self, w) if c.name == name])
+        monkeypatch.setattr(calibration, "_calibration_ops",
+                            lambda device: CpuOps(LinearChooser()))
+        got.append(activation_maxima(ck.config, ck.weights, ids, CPU))
+    for mkl, onednn in zip(*got):
+        for kind in KINDS:
+            assert torch.equal(getattr(mkl, kind), getattr(onednn, kind)), kind
 
 
 def test_factors_and_folds_of_one_layer_by_hand(tiny_factory):

@@ -8,8 +8,9 @@ text is fixed so that a load is reproducible: the first ``CALIBRATION_TOKENS`` t
 Python's "Execution model" chapter (``pydoc_data.topics``, in every CPython install; not
 the ``compound`` topic the quality benchmark scores, so the figures there are not fitted
 to their own text). The forward is the engine's own decoder with the reference ops in
-fp32 (the CPU kernels on CPU), one prefill over a pool just large enough, recording the
-inputs of the four fused matrices of every layer.
+fp32 (the CPU kernels on CPU, but the linear layers always ``F.linear``), one prefill
+over a pool just large enough, recording the inputs of the four fused matrices of every
+layer.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class _RecordingOps:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def pack_linear(self, weight: torch.Tensor, quantization: str = "none") -> torch.Tensor:
+        """The fp weight as it is, so that ``linear`` computes it with ``F.linear``: the
+        backend's own packing may be whichever kernel a timing at load found fastest, and
+        the two round differently, which would make the statistics (and through them
+        every rounding of the quantized weights) depend on the machine's load."""
+        return weight
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
