@@ -104,6 +104,8 @@ class DecoderLM:
         self.norm = w["model.norm.weight"]
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops, quantization)
                        for i in range(cfg.num_layers)]
+        self.fused_decode = ops.fuse_decode(self.layers, self.norm, cfg.num_heads,
+                                            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         cos, sin = rope_tables(cfg, max_positions, device)
         self.cos, self.sin = cos.to(dtype), sin.to(dtype)
         self.scale = cfg.head_dim ** -0.5
@@ -120,6 +122,10 @@ class DecoderLM:
         t = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         x = ops.rms_norm(h, self.layers[0].in_norm, cfg.rms_norm_eps)
+        if (sparse is None and self.fused_decode is not None
+                and self.fused_decode.runs(t, meta, kv_caches[0].dtype)):
+            return self.fused_decode(h, x, positions, kv_caches, meta, self.cos, self.sin,
+                                     self.scale)
         next_norms = [layer.in_norm for layer in self.layers[1:]] + [self.norm]
         for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches,
                                                              next_norms)):

@@ -3,13 +3,17 @@ KV layout. A model calls only these; a device backend replaces them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from kvcache.kv_tensors import KVShape
 from workers.ops.quant_linear import Int8Weight
+
+if TYPE_CHECKING:
+    from workers.ops.fused_decode import FusedDecode, LayerWeights
 
 
 @dataclass
@@ -75,6 +79,14 @@ class Ops(Protocol):
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` for ``weight`` from ``pack_linear`` of W."""
+        ...
+
+    def fuse_decode(self, layers: Sequence[LayerWeights], final_norm: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, head_dim: int,
+                    eps: float) -> FusedDecode | None:
+        """Made once at load: one call for a decode-only step's whole layer loop, where
+        this backend has one for these weights (``fused_decode``); None, and the model
+        runs the loop op by op."""
         ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...

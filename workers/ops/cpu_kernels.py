@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from kvcache.build_cache import cache_root, publish
 from workers.ops.base import AttentionMetadata
+from workers.ops.fused_decode import FusedDecode, LayerWeights, fuse_decode
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
 from workers.ops.packed_weights import (
     PackedWeight,
@@ -166,6 +168,13 @@ class CpuOps(TorchOps):
         if isinstance(weight, ChosenLinear):
             return weight(x, bias)
         return super().linear(x, weight, bias)
+
+    def fuse_decode(self, layers: Sequence[LayerWeights], final_norm: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, head_dim: int,
+                    eps: float) -> FusedDecode | None:
+        """w8a16 at the batch sizes where every linear layer runs the packed int8 kernel."""
+        return fuse_decode(layers, final_norm, num_heads, num_kv_heads, head_dim, eps,
+                           KERNEL_KV_DTYPES)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_contiguous():

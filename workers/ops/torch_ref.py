@@ -3,6 +3,9 @@ device kernels are tested against."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -11,6 +14,9 @@ from kvcache.kv_quant import dequantize_rows, quantize_rows
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from workers.ops.base import AttentionMetadata
 from workers.ops.quant_linear import Int8Weight, quantize_weight, w8a8_linear, w8a16_blocked
+
+if TYPE_CHECKING:
+    from workers.ops.fused_decode import FusedDecode, LayerWeights
 
 
 class TorchOps:
@@ -36,6 +42,11 @@ class TorchOps:
         if isinstance(weight, Int8Weight):
             return self.int8_linear(x, weight, bias)
         return F.linear(x, weight.to(x.dtype), bias)
+
+    def fuse_decode(self, layers: Sequence[LayerWeights], final_norm: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, head_dim: int,
+                    eps: float) -> FusedDecode | None:
+        return None
 
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight,
                     bias: torch.Tensor | None) -> torch.Tensor:
