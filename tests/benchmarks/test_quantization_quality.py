@@ -8,11 +8,12 @@ its floor here is what it reaches, below the target, and says so.
 The figures of the two configurations that round activations at run time (w8a8's
 per-token int8, int8 KV) are one draw of a distribution: a rounding that flips early
 changes every later layer's input, so a relative change of 1e-6 in the embeddings (as
-another CPU's kernels make) moves them as much as any change of method. Over seven
-such draws of 1025 tokens (benchmarks/RESULTS.md, "The w8a8 quality test's flake") w8a8
-reached 94.5-95.3% / +0.4-1.2% and int8 KV 97.9-98.7% / 0.0-0.1%; w8a16 (scales per 64
-input columns) stayed at 97.37% / +0.19% in every draw. The floors leave room for those
-spreads; over 513 tokens w8a8 spread from 93.4% to 95.3%, too wide for a floor."""
+another CPU's kernels make) moves them as much as most changes of method tried. Over
+seven such draws of 1025 tokens (benchmarks/RESULTS.md, "The w8a8 quality test's
+flake") w8a8 reached 94.5-95.3% / +0.4-1.2% and int8 KV 97.9-98.7% / -0.03 to +0.07%;
+w8a16 (scales per 64 input columns) stayed at 97.37% / +0.19% in every draw. The floors
+leave room for those spreads; over 513 tokens w8a8 spread from 93.4% to 95.3%, too wide
+for a floor."""
 
 from __future__ import annotations
 
