@@ -12,7 +12,6 @@ implementation, q/k norms, other weights) keeps the loop.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,7 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from workers.ops.base import AttentionMetadata
-from workers.ops.linear_choice import ChosenLinear
+from workers.ops.linear_choice import ChosenLinear, range_index
 from workers.ops.packed_weights import PackedWeight
 
 INT8_KERNEL = "int8-kernel"   # the chooser's name for the packed w8a16 kernel
@@ -62,7 +61,7 @@ class FusedDecode:
         kernels take, at a batch size whose linear layers all run the int8 kernel."""
         return (meta.num_decode_tokens == tokens and not meta.prefills
                 and meta.decode_head_tables is None and kv_dtype in self.kv_dtypes
-                and self.fits[max(0, bisect.bisect_right(self.firsts, tokens) - 1)])
+                and self.fits[range_index(self.firsts, tokens)])
 
     def __call__(self, h: torch.Tensor, x: torch.Tensor, positions: torch.Tensor,
                  kv_caches: Sequence[torch.Tensor], meta: AttentionMetadata,

@@ -105,7 +105,12 @@ class ChosenLinear:
         return self.runs[self._range(x)][1]
 
     def _range(self, x: torch.Tensor) -> int:
-        return max(0, bisect.bisect_right(self.firsts, x.numel() // x.shape[-1]) - 1)
+        return range_index(self.firsts, x.numel() // x.shape[-1])
+
+
+def range_index(firsts: Sequence[int], rows: int) -> int:
+    """The row range that ``rows`` rows fall in, of ranges starting at ``firsts``."""
+    return max(0, bisect.bisect_right(firsts, rows) - 1)
 
 
 class ChoiceStore:
