@@ -11,16 +11,28 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from cluster.cluster_engine import ClusterEngine
 from cluster.config import EngineConfig, load_config, with_overrides
 from cluster.engine import LocalEngine
 from cluster.outputs import RequestOutput
 from scheduler.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from cluster.cluster_engine import ClusterEngine
+
+def _start_engine(config: EngineConfig) -> LocalEngine | ClusterEngine:
+    """The one-process engine, or the cluster when ``cluster.pools`` names any: only a
+    cluster imports Ray, so offline generation in one process runs where Ray is absent."""
+    if not config.cluster.pools:
+        return LocalEngine(config)
+    from cluster.cluster_engine import ClusterEngine
+
+    return ClusterEngine(config)
+
 
 PromptInput = str | dict[str, Any] | Sequence[int]
 
@@ -29,6 +41,7 @@ _OVERRIDES = {
     "model": ("model", "path"), "tokenizer": ("model", "tokenizer"),
     "dtype": ("model", "dtype"), "device": ("model", "device"), "seed": ("model", "seed"),
     "ops": ("model", "ops"), "quantization": ("model", "quantization"),
+    "enforce_eager": ("model", "enforce_eager"),
     "block_size": ("cache", "block_size"), "kv_cache_bytes": ("cache", "kv_cache_bytes"),
     "kv_cache_dtype": ("cache", "kv_dtype"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
@@ -48,7 +61,8 @@ class LLM:
         arguments (``dtype``, ``device``, ``seed``, ``block_size``, ``kv_cache_bytes``,
         ``enable_prefix_caching``, ``max_model_len``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``scheduling_policy``,
-        ``tokenizer``, ``kv_cache_dtype``, ``ops``, ``quantization``) override it."""
+        ``tokenizer``, ``kv_cache_dtype``, ``ops``, ``quantization``, ``enforce_eager``)
+        override it."""
         unknown = sorted(set(kwargs) - set(_OVERRIDES))
         if unknown:
             allowed = ", ".join(["model", "config", *(k for k in _OVERRIDES if k != "model")])
@@ -58,13 +72,12 @@ class LLM:
         if model is not None:
             kwargs["model"] = model
         self.config = with_overrides(base, {_OVERRIDES[k]: v for k, v in kwargs.items()})
-        self.engine: LocalEngine | ClusterEngine = (
-            ClusterEngine(self.config) if self.config.cluster.pools else LocalEngine(self.config))
+        self.engine: LocalEngine | ClusterEngine = _start_engine(self.config)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
         """Stop the cluster's actors (a no-op for the one-process engine)."""
-        if isinstance(self.engine, ClusterEngine):
+        if not isinstance(self.engine, LocalEngine):
             self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import socket
+import sys
 from dataclasses import dataclass
 
 import pyarrow as pa
-import ray
 import torch
 
 from kvcache.config import CacheConfig
@@ -64,6 +64,7 @@ class WorkerSpec:
     num_threads: int
     long_context: LongContextConfig | None = None
     quantization: str = "none"
+    enforce_eager: bool = False   # no CUDA graphs
     # The Ray Direct Transport for device-to-device handoffs: None picks what the device
     # has (``device_tensor_transport``), "" none; "nccl" or "gloo" need a collective
     # group of the workers, made by whoever starts them.
@@ -95,7 +96,8 @@ class Worker:
         self.runner = ModelRunner(ckpt, spec.cache, resolve_device(spec.device),
                                   max_model_len=spec.max_model_len or model_max, dtype=dtype,
                                   seed=spec.seed, ops=spec.ops, long_context=spec.long_context,
-                                  shared_pool=True, quantization=spec.quantization)
+                                  shared_pool=True, quantization=spec.quantization,
+                                  decode_graph_sizes=() if spec.enforce_eager else None)
         self.meta = KVLayoutMeta.from_shape(self.runner.kv_shape, ckpt.fingerprint)
         eos = set(ckpt.config.eos_token_ids)
         if ckpt.tokenizer is not None:
@@ -255,7 +257,9 @@ def device_tensor_transport(device: torch.device) -> str | None:
 
 
 def _node_id() -> str:
-    """Ray's id of this node inside a Ray process, else the host's name."""
-    if ray.is_initialized():
+    """Ray's id of this node inside a Ray process, else the host's name (a worker run
+    outside Ray, as the CUDA tests do, never imports it)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         return ray.get_runtime_context().get_node_id()
     return socket.gethostname()
