@@ -61,7 +61,7 @@ class ClusterEngine(ClusterClient):
         self.sampling_defaults = sampling_defaults(config)
         spec = WorkerSpec(mc.path, mc.tokenizer, mc.dtype, mc.device, mc.seed, mc.ops,
                           config.cache, config.scheduler.max_model_len, 1, config.long_context,
-                          mc.quantization)
+                          mc.quantization, mc.enforce_eager)
         self.pools = WorkerPools(spec, cc.pools, cc.replace_backoff_s, cc.name, NAMESPACE,
                                  detached=survive_owner)
         self.workers = self.pools.workers   # worker id -> actor, every live one

@@ -49,7 +49,8 @@ class ModelConfig:
     ``chat_template``: a Jinja file, or the template itself, replacing the checkpoint's
     (vLLM's ``--chat-template``). ``quantization``: ``w8a8`` (int8 weights and per-token
     int8 activations) or ``w8a16`` (int8 weights, fp activations) for the decoder layers'
-    linear layers, made at load.
+    linear layers, made at load. ``enforce_eager`` (vLLM's flag): no CUDA graphs, every
+    decode step runs eagerly (graphs exist only on CUDA).
     """
 
     path: str | None = None
@@ -61,6 +62,7 @@ class ModelConfig:
     ops: str = "auto"
     generation_config: str = "auto"
     quantization: str = "none"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

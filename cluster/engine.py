@@ -111,7 +111,8 @@ class LocalEngine:
         runner = ModelRunner(ckpt, config.cache, device,
                              max_model_len=config.scheduler.max_model_len or model_max,
                              dtype=dtype, seed=mc.seed, ops=mc.ops,
-                             long_context=config.long_context, quantization=mc.quantization)
+                             long_context=config.long_context, quantization=mc.quantization,
+                             decode_graph_sizes=() if mc.enforce_eager else None)
         self.runner = runner
         kv = KVCacheManager(runner.num_blocks, runner.block_size,
                             config.cache.enable_prefix_caching)

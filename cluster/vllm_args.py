@@ -49,6 +49,8 @@ SERVE_FLAGS = (
                "qwen3 or deepseek_r1: <think> text goes to reasoning_content"),
     ConfigFlag(("--quantization", "-q"), "model", "quantization",
                "int8 linear layers: w8a8 (int8 activations too) or w8a16; none: off"),
+    ConfigFlag(("--enforce-eager",), "model", "enforce_eager",
+               "no CUDA graphs: every decode step runs eagerly (graphs exist only on CUDA)"),
     ConfigFlag(("--max-model-len",), "scheduler", "max_model_len",
                "context length: prompt plus output tokens (default: the model's, within "
                "the KV pool)"),

@@ -3,8 +3,6 @@ eagerly here: CUDA graphs need a GPU) give the eager runner's tokens exactly."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -35,8 +33,12 @@ def test_graph_decodes_equal_eager_decodes(tiny_factory, monkeypatch):
             return out
         return replay
 
-    monkeypatch.setattr("cluster.engine.ModelRunner", functools.partial(
-        ModelRunner, decode_graph_sizes=(1, 2, 4), graph_capture=eager_capture))
+    def graphed_runner(*args, decode_graph_sizes=None, **kwargs):
+        assert decode_graph_sizes is None   # the engine's default: not enforce_eager
+        return ModelRunner(*args, decode_graph_sizes=(1, 2, 4), graph_capture=eager_capture,
+                           **kwargs)
+
+    monkeypatch.setattr("cluster.engine.ModelRunner", graphed_runner)
     llm = LLM(tiny.path, ops="torch", **kw)
     runner = llm.engine.runner
     assert runner.kv_caches[0].shape[1] == runner.num_blocks + 1   # the pad block
@@ -44,3 +46,19 @@ def test_graph_decodes_equal_eager_decodes(tiny_factory, monkeypatch):
            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == want
     assert set(replays) == {1, 2, 4} and replays[4] > 0
+
+
+def test_enforce_eager_reaches_the_runner_as_no_graph_sizes(tiny_factory, monkeypatch):
+    """``enforce_eager`` (vLLM's flag) asks for no graphs; unset leaves the device's
+    default (graphs on CUDA, tested in test_cuda_gpu)."""
+    asked: list = []
+
+    def recording_runner(*args, **kwargs):
+        asked.append(kwargs["decode_graph_sizes"])
+        return ModelRunner(*args, **kwargs)
+
+    monkeypatch.setattr("cluster.engine.ModelRunner", recording_runner)
+    for eager in (True, False):
+        LLM(tiny_factory("llama").path, device="cpu", kv_cache_bytes=1 << 20,
+            enforce_eager=eager)
+    assert asked == [(), None]
