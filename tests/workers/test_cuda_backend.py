@@ -10,6 +10,7 @@ import torch
 from tests.workers.test_npu_backend import D, H, paged_case
 from workers.ops import TorchOps, get_ops
 from workers.ops.cuda import CudaOps
+from workers.ops.quant_linear import quantize_weight
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -68,3 +69,20 @@ def test_flash_path_calls_the_paged_kernel_on_256_token_pages(block_size):
         assert calls == [((3, 1, H, D), torch.int32, torch.int32, True),
                          ((1, 20, H, D), torch.int32, torch.int32, True),
                          ((1, 9, H, D), torch.int32, torch.int32, True)]
+
+
+@pytest.mark.parametrize(("rows", "width", "padded"),
+                         [(3, 64, 32), (20, 64, 64), (32, 64, 64), (3, 128, 17), (20, 128, 40)])
+def test_w8a8_tokens_are_padded_to_a_size_the_int8_product_takes(monkeypatch, rows, width,
+                                                                  padded):
+    """Zero rows up to the size ``int_mm_rows`` gives (the x holds 2 x rows tokens); the
+    real rows' results equal the unpadded product's bit for bit."""
+    sizes: list[int] = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: (sizes.append(a.shape[0]), int_mm(a, b))[1])
+    g = torch.Generator().manual_seed(rows)
+    w = quantize_weight(torch.randn(24, width, generator=g), "w8a8")
+    x, bias = torch.randn(2, rows, width, generator=g), torch.randn(24, generator=g)
+    got = CudaOps(None).int8_linear(x, w, bias)
+    assert sizes == [padded]
+    assert torch.equal(got, TorchOps().int8_linear(x, w, bias))
