@@ -132,6 +132,8 @@ BENCHMARKS = {
                      "layers against HF and llama.cpp; KV capacity of int8 against fp16"),
     "quantization-quality": ("quantization_quality", "int8 linear layers and int8 KV against "
                              "HF fp32: teacher-forced top-1 agreement and perplexity"),
+    "cuda": ("cuda_paths", "on a CUDA GPU: decode with and without CUDA graphs against HF "
+             "generate; the device KV transport's cost against a device copy"),
     "autoscale": ("autoscale", "a 1 -> 32 -> 1 streaming-client ramp on an autoscaled decode "
                   "pool against a static one sized for the peak; --migration: a drain's "
                   "KV migration against recompute"),

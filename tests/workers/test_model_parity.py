@@ -37,15 +37,18 @@ def spy_on(llm: LLM) -> LogitsSpy:
     return spy
 
 
-def assert_logits_match_hf(hf, spy: LogitsSpy, finals: list[list[int]]) -> None:
+def assert_logits_match_hf(hf, spy: LogitsSpy, finals: list[list[int]],
+                           tol: float = TOL) -> float:
+    """The largest difference from HF's logits (on HF's device), checked against ``tol``."""
     with torch.no_grad():
-        oracle = [hf(torch.tensor([f])).logits[0] for f in finals]
+        oracle = [hf(torch.tensor([f], device=hf.device)).logits[0] for f in finals]
     assert spy.rows
     worst = 0.0
     for context, row in spy.rows:
         j = next(i for i, f in enumerate(finals) if f[:len(context)] == context)
         worst = max(worst, (oracle[j][len(context) - 1] - row).abs().max().item())
-    assert worst <= TOL, f"max |logits - HF| = {worst}"
+    assert worst <= tol, f"max |logits - HF| = {worst}"
+    return worst
 
 
 def prompts_for(seed: int) -> list[list[int]]:
@@ -56,8 +59,9 @@ def prompts_for(seed: int) -> list[list[int]]:
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                      do_sample=False, attention_mask=torch.ones(1, len(prompt)))
+    out = hf.generate(torch.tensor([prompt], device=hf.device), max_new_tokens=n,
+                      min_new_tokens=n, do_sample=False,
+                      attention_mask=torch.ones(1, len(prompt), device=hf.device))
     return out[0, len(prompt):].tolist()
 
 
