@@ -5,7 +5,11 @@ whole forward pass at once. Graphs have fixed shapes and addresses, so the input
 static buffers of the largest size, a batch runs in the smallest captured size that
 holds it, and the rows beyond it are padding: token 0 at position 0, writing its KV into
 a pad block the pool keeps for them (never handed to the scheduler) and attending to
-that block alone. Block tables are as wide as the longest sequence the model allows.
+that block alone. Block tables are as wide as the longest sequence the model allows, but
+each batch size is captured at several table widths (``table_widths``) and a batch runs
+in the narrowest that holds its longest sequence: attention that reads every table entry
+(the SDPA path) then reads a short batch's blocks, not the whole window's (at an 8K
+window, batch 64 ran at 0.47x the speed of 1K-window graphs on an H100 before).
 
 Only CUDA captures graphs (``cuda_capture``); the capture function is a parameter, so the
 buffer and padding logic also runs eagerly on the CPU in tests.
@@ -20,6 +24,7 @@ import torch
 from workers.ops.base import AttentionMetadata
 
 CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_TABLE_WIDTH = 16   # blocks: the narrowest table captured
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
@@ -59,32 +64,46 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.slots = torch.full((n,), pad_block * block_size, dtype=torch.long, device=device)
-        self.tables = torch.full((n, max_blocks), pad_block, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.long, device=device)
-        self.graphs = {b: capture(lambda b=b: forward(self.input_ids[:b], self.positions[:b],
-                                                      self._meta(b)))
-                       for b in reversed(self.sizes)}
+        self.widths = table_widths(max_blocks)
+        # One table per width (kernels take contiguous tables), shared by the batch sizes.
+        self.tables = {w: torch.full((n, w), pad_block, dtype=torch.long, device=device)
+                       for w in self.widths}
+        self.graphs = {(b, w): capture(lambda b=b, w=w: forward(
+            self.input_ids[:b], self.positions[:b], self._meta(b, w)))
+            for b in reversed(self.sizes) for w in reversed(self.widths)}
 
-    def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slots[:b], b, self.tables[:b], self.seq_lens[:b], [],
+    def _meta(self, b: int, w: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slots[:b], b, self.tables[w][:b], self.seq_lens[:b], [],
                                  self.block_size)
 
     def fits(self, num_seqs: int, width: int) -> bool:
-        return num_seqs <= self.sizes[-1] and width <= self.tables.shape[1]
+        return num_seqs <= self.sizes[-1] and width <= self.widths[-1]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [n, hidden] of a decode-only batch of n sequences."""
-        n, w = input_ids.shape[0], meta.decode_block_tables.shape[1]
+        n, width = input_ids.shape[0], meta.decode_block_tables.shape[1]
         b = next(s for s in self.sizes if s >= n)
+        w = next(w for w in self.widths if w >= width)
         self.input_ids[:n].copy_(input_ids)
         self.input_ids[n:b].zero_()
         self.positions[:n].copy_(positions)
         self.positions[n:b].zero_()
         self.slots[:n].copy_(meta.slot_mapping)
         self.slots[n:b].fill_(self.pad_block * self.block_size)
-        self.tables[:b].fill_(self.pad_block)
-        self.tables[:n, :w].copy_(meta.decode_block_tables)
+        tables = self.tables[w]
+        tables[:b].fill_(self.pad_block)
+        tables[:n, :width].copy_(meta.decode_block_tables)
         self.seq_lens[:n].copy_(meta.decode_seq_lens)
         self.seq_lens[n:b].fill_(1)
-        return self.graphs[b]()[:n]
+        return self.graphs[b, w]()[:n]
+
+
+def table_widths(max_blocks: int) -> list[int]:
+    """Block-table widths to capture: doubling from ``MIN_TABLE_WIDTH`` blocks, and the
+    widest a sequence can need."""
+    widths = [MIN_TABLE_WIDTH]
+    while widths[-1] < max_blocks:
+        widths.append(widths[-1] * 2)
+    return [w for w in widths if w < max_blocks] + [max_blocks]

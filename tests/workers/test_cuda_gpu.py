@@ -28,6 +28,7 @@ from tests.kvcache.test_kv_transfer import (
     seq_blocks,
     snapshot,
 )
+from tests.workers.test_decode_graphs import count_graph_runs
 from tests.workers.test_model_parity import (
     ARCHS,
     GREEDY,
@@ -64,19 +65,6 @@ def hf_on_gpu(tiny_factory):
     return get
 
 
-def count_replays(runner) -> list[int]:
-    """The batch sizes of the decode steps the runner's graphs ran, as they run."""
-    sizes: list[int] = []
-    run = runner.graphs.run
-
-    def counted(input_ids, positions, meta):
-        sizes.append(input_ids.shape[0])
-        return run(input_ids, positions, meta)
-
-    runner.graphs.run = counted
-    return sizes
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("budget", [2048, 24], ids=["whole-prefill", "chunked-prefill"])
 def test_the_engine_on_cuda_matches_hf_on_the_gpu(tiny_factory, hf_on_gpu, arch, budget):
@@ -84,7 +72,7 @@ def test_the_engine_on_cuda_matches_hf_on_the_gpu(tiny_factory, hf_on_gpu, arch,
               max_num_batched_tokens=budget)
     runner = llm.engine.runner
     assert runner.ops.name == "cuda" and runner.kv_caches[0].is_cuda
-    replays = count_replays(runner)
+    runs = count_graph_runs(runner)
     spy = spy_on(llm)
     prompts = prompts_for(0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -92,34 +80,35 @@ def test_the_engine_on_cuda_matches_hf_on_the_gpu(tiny_factory, hf_on_gpu, arch,
     worst = assert_logits_match_hf(hf, spy, [p + o.outputs[0].token_ids
                                              for p, o in zip(prompts, outs)])
     print(f"{arch}, budget {budget}: max |logits - HF on the GPU| = {worst:.2e}")
-    assert replays   # decode-only steps ran from graphs
+    assert runs   # decode-only steps ran from graphs
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, GREEDY.max_tokens)
 
 
 def test_graph_decodes_equal_eager_decodes(tiny_factory):
-    """Batches shrinking 5 -> 1 as sequences finish: 5 and 3 run padded (to 8 and 4)."""
+    """Batches shrinking 5 -> 1 as sequences finish (5 and 3 run padded, to 8 and 4), one
+    table growing from 16 blocks (the narrowest graphs') to 17."""
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 18, 12, 25)]
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 18, 12, 240)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (40, 12, 25, 33, 18)]
-    kw = dict(device="cuda", kv_cache_bytes=1 << 20, max_model_len=128)
+              for m in (40, 12, 25, 33, 30)]
+    kw = dict(device="cuda", kv_cache_bytes=1 << 20, max_model_len=512)
     eager = LLM(tiny_factory("llama").path, enforce_eager=True, **kw)
     assert eager.engine.runner.graphs is None
     graphed = LLM(tiny_factory("llama").path, **kw)
-    replays = count_replays(graphed.engine.runner)
-    runs = []
+    runs = count_graph_runs(graphed.engine.runner)
+    results = []
     for llm in (eager, graphed):
         spy = spy_on(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        runs.append(([o.outputs[0].token_ids for o in outs],
-                     {tuple(c): row for c, row in spy.rows}))
-    (want, want_rows), (got, got_rows) = runs
+        results.append(([o.outputs[0].token_ids for o in outs],
+                        {tuple(c): row for c, row in spy.rows}))
+    (want, want_rows), (got, got_rows) = results
     assert got == want and got_rows.keys() == want_rows.keys()
     worst = max((got_rows[c] - want_rows[c]).abs().max().item() for c in want_rows)
     print(f"graphs against eager: max |logits difference| = {worst:.2e}")
     assert worst <= 1e-4
-    assert set(replays) == {5, 4, 3, 2, 1}
+    assert set(runs) == {(8, 16), (4, 16), (4, 32), (2, 16), (1, 16)}
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])

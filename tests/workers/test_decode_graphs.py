@@ -1,51 +1,63 @@
-"""Decode steps through the graph runner's static buffers and padding rows (captured
-eagerly here: CUDA graphs need a GPU) give the eager runner's tokens exactly."""
+"""Decode steps through the graph runner's static buffers, padding rows and table widths
+(captured eagerly here: CUDA graphs need a GPU) give the eager runner's tokens exactly."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 
 from cluster import LLM, SamplingParams
+from workers.decode_graphs import table_widths
 from workers.model_runner import ModelRunner
+
+
+def count_graph_runs(runner) -> Counter:
+    """How often each captured graph, keyed (batch size, table width), runs."""
+    runs: Counter = Counter()
+    graphs = runner.graphs.graphs
+    for key, replay in graphs.items():
+        graphs[key] = lambda key=key, replay=replay: (runs.update([key]), replay())[1]
+    return runs
 
 
 @pytest.mark.slow
 def test_graph_decodes_equal_eager_decodes(tiny_factory, monkeypatch):
     tiny = tiny_factory("llama")
     g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 18, 12, 25)]
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 18, 12, 240)]
     # Different lengths: the batch shrinks 5 (eager: over the largest size), 4, 3 (padded
-    # to 4), 2, 1 as sequences finish.
+    # to 4), 2, 1 as sequences finish; the 240-token prompt's table grows past 16 blocks
+    # (the narrowest graphs') to 17 while it decodes.
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (40, 12, 25, 33, 18)]
-    kw = dict(device="cpu", kv_cache_bytes=1 << 20, max_model_len=128)
+              for m in (40, 12, 25, 33, 30)]
+    kw = dict(device="cpu", kv_cache_bytes=1 << 20, max_model_len=512)
     want = [o.outputs[0].token_ids
             for o in LLM(tiny.path, ops="torch", **kw).generate(
                 [{"prompt_token_ids": p} for p in prompts], params)]
 
-    replays: dict[int, int] = {}
-
-    def eager_capture(fn):
-        def replay():
-            out = fn()
-            replays[out.shape[0]] = replays.get(out.shape[0], 0) + 1
-            return out
-        return replay
-
     def graphed_runner(*args, decode_graph_sizes=None, **kwargs):
         assert decode_graph_sizes is None   # the engine's default: not enforce_eager
-        return ModelRunner(*args, decode_graph_sizes=(1, 2, 4), graph_capture=eager_capture,
+        return ModelRunner(*args, decode_graph_sizes=(1, 2, 4), graph_capture=lambda fn: fn,
                            **kwargs)
 
     monkeypatch.setattr("cluster.engine.ModelRunner", graphed_runner)
     llm = LLM(tiny.path, ops="torch", **kw)
     runner = llm.engine.runner
     assert runner.kv_caches[0].shape[1] == runner.num_blocks + 1   # the pad block
+    assert set(runner.graphs.graphs) == {(b, w) for b in (1, 2, 4) for w in (16, 32)}
+    runs = count_graph_runs(runner)
     got = [o.outputs[0].token_ids
            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
     assert got == want
-    assert set(replays) == {1, 2, 4} and replays[4] > 0
+    assert set(runs) == {(4, 16), (4, 32), (2, 16), (1, 16)}
+
+
+@pytest.mark.parametrize(("max_blocks", "widths"), [(8, [8]), (16, [16]), (40, [16, 32, 40]),
+                                                    (512, [16, 32, 64, 128, 256, 512])])
+def test_table_widths_double_up_to_the_widest(max_blocks, widths):
+    assert table_widths(max_blocks) == widths
 
 
 def test_enforce_eager_reaches_the_runner_as_no_graph_sizes(tiny_factory, monkeypatch):
