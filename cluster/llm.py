@@ -24,6 +24,7 @@ from workers.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from cluster.cluster_engine import ClusterEngine
 
+
 def _start_engine(config: EngineConfig) -> LocalEngine | ClusterEngine:
     """The one-process engine, or the cluster when ``cluster.pools`` names any: only a
     cluster imports Ray, so offline generation in one process runs where Ray is absent."""
