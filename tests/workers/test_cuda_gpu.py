@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
+from cluster import LLM
 from cluster.config import config_from_dict
 from kvcache.config import CacheConfig
 from kvcache.device_transport import export_device, import_device
@@ -28,7 +28,7 @@ from tests.kvcache.test_kv_transfer import (
     seq_blocks,
     snapshot,
 )
-from tests.workers.test_decode_graphs import count_graph_runs
+from tests.workers.test_decode_graphs import count_graph_runs, shrinking_batch
 from tests.workers.test_model_parity import (
     ARCHS,
     GREEDY,
@@ -86,12 +86,8 @@ def test_the_engine_on_cuda_matches_hf_on_the_gpu(tiny_factory, hf_on_gpu, arch,
 
 
 def test_graph_decodes_equal_eager_decodes(tiny_factory):
-    """Batches shrinking 5 -> 1 as sequences finish (5 and 3 run padded, to 8 and 4), one
-    table growing from 16 blocks (the narrowest graphs') to 17."""
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 18, 12, 240)]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (40, 12, 25, 33, 30)]
+    """The batch of 5 runs padded to 8, of 3 to 4."""
+    prompts, params = shrinking_batch()
     kw = dict(device="cuda", kv_cache_bytes=1 << 20, max_model_len=512)
     eager = LLM(tiny_factory("llama").path, enforce_eager=True, **kw)
     assert eager.engine.runner.graphs is None
@@ -100,7 +96,7 @@ def test_graph_decodes_equal_eager_decodes(tiny_factory):
     results = []
     for llm in (eager, graphed):
         spy = spy_on(llm)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        outs = llm.generate(prompts, params)
         results.append(([o.outputs[0].token_ids for o in outs],
                         {tuple(c): row for c, row in spy.rows}))
     (want, want_rows), (got, got_rows) = results

@@ -22,20 +22,25 @@ def count_graph_runs(runner) -> Counter:
     return runs
 
 
+def shrinking_batch() -> tuple[list[dict], list[SamplingParams]]:
+    """Five requests whose decode batch shrinks 5, 4, 3, 2, 1 as they finish, one of them
+    a 240-token prompt whose table grows past 16 blocks (the narrowest graphs') to 17
+    while it decodes."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(3, 256, (n,), generator=g).tolist()}
+               for n in (7, 30, 18, 12, 240)]
+    return prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                     for m in (40, 12, 25, 33, 30)]
+
+
 @pytest.mark.slow
 def test_graph_decodes_equal_eager_decodes(tiny_factory, monkeypatch):
+    """Captured sizes 1, 2, 4: 5 sequences run eagerly (over the largest), 3 padded to 4."""
     tiny = tiny_factory("llama")
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 30, 18, 12, 240)]
-    # Different lengths: the batch shrinks 5 (eager: over the largest size), 4, 3 (padded
-    # to 4), 2, 1 as sequences finish; the 240-token prompt's table grows past 16 blocks
-    # (the narrowest graphs') to 17 while it decodes.
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-              for m in (40, 12, 25, 33, 30)]
+    prompts, params = shrinking_batch()
     kw = dict(device="cpu", kv_cache_bytes=1 << 20, max_model_len=512)
     want = [o.outputs[0].token_ids
-            for o in LLM(tiny.path, ops="torch", **kw).generate(
-                [{"prompt_token_ids": p} for p in prompts], params)]
+            for o in LLM(tiny.path, ops="torch", **kw).generate(prompts, params)]
 
     def graphed_runner(*args, decode_graph_sizes=None, **kwargs):
         assert decode_graph_sizes is None   # the engine's default: not enforce_eager
@@ -48,8 +53,7 @@ def test_graph_decodes_equal_eager_decodes(tiny_factory, monkeypatch):
     assert runner.kv_caches[0].shape[1] == runner.num_blocks + 1   # the pad block
     assert set(runner.graphs.graphs) == {(b, w) for b in (1, 2, 4) for w in (16, 32)}
     runs = count_graph_runs(runner)
-    got = [o.outputs[0].token_ids
-           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
     assert set(runs) == {(4, 16), (4, 32), (2, 16), (1, 16)}
 
