@@ -28,17 +28,13 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.default_shape import BLOCK_SIZE, SMOLLM2_135M, kv_shape
 from kvcache.device_transport import export_device, import_device
-from kvcache.kv_tensors import KVShape, allocate_kv_cache
+from kvcache.kv_tensors import allocate_kv_cache
 from kvcache.kv_transfer import KVLayoutMeta
 from kvcache.pool_rows import gather_rows, scatter_rows
 
 CUDA = torch.device("cuda")
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
-SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=LAYERS, num_attention_heads=9,
-                    num_key_value_heads=KV_HEADS, max_position_embeddings=8192,
-                    rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
 PROMPT_TOKENS = OUTPUT_TOKENS = 128
 
 
@@ -114,7 +110,7 @@ def decode_rows(batches: list[int], max_model_len: int) -> list[dict]:
 
 # ---- handoff -----------------------------------------------------------------------------
 def handoff_rows(dtype: torch.dtype, token_counts: list[int], repeats: int) -> list[dict]:
-    shape = KVShape(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype)
+    shape = kv_shape(dtype)
     meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
     pool_blocks = max(token_counts) // BLOCK_SIZE + 64
     src, dst = (allocate_kv_cache(shape, pool_blocks, CUDA) for _ in range(2))

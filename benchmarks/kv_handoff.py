@@ -51,6 +51,7 @@ import numpy as np
 import ray
 import torch
 
+from benchmarks.default_shape import BLOCK_SIZE, kv_shape
 from kvcache.block_checksum import BlockChecksums
 from kvcache.block_pool import BlockPool
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
@@ -65,7 +66,6 @@ from kvcache.kv_transport import (
 from kvcache.native_copy import native_copier
 from kvcache.shm_segment import PeerSegments, SharedSegment
 
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 3, 64, 16
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 STORE_BYTES = 2 << 30
 PATHS = ("memcpy", "shm", "object_store", "pickle")
@@ -148,7 +148,7 @@ def block_ids(pattern: str, pool_blocks: int, n: int, g: torch.Generator) -> tor
 
 def run(dtype_name: str, token_counts: list[int], repeats: int,
         ids: str = "scattered") -> list[dict]:
-    shape = KVShape(LAYERS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, DTYPES[dtype_name])
+    shape = kv_shape(DTYPES[dtype_name])
     meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
     pool_blocks = max(token_counts) // BLOCK_SIZE + 64
     segment, src = shared_pool(shape, pool_blocks)
