@@ -38,11 +38,11 @@ import torch
 
 from kvcache.block_checksum import BlockChecksums, copy_verified
 from kvcache.kv_transfer import (
+    _WIRE,
     HostRows,
     ImportedBlocks,
     KVLayoutMeta,
     KVTransferError,
-    _check_pool,
     _check_token_counts,
     _read_only_tensor,
     _tensor_column,
@@ -138,7 +138,7 @@ def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     """The description of blocks ``block_ids`` of a pool that lies at the start of
     ``segment``: no payload, a checksum per block from the pool's ``checksums`` (those
     stored when the blocks were written; the others hashed now)."""
-    _check_pool(kv_caches, meta)
+    _check_shared_pool(kv_caches, meta, checksums)
     src = np.asarray(block_ids, dtype=np.int32)
     fields = {"num_blocks": kv_caches[0].shape[1],
               **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS}}
@@ -235,7 +235,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
 
     Everything but the payload is checked first; the payload is checked block by block.
     """
-    _check_pool(kv_caches, expected_meta)
+    dst = _check_shared_pool(kv_caches, expected_meta, checksums)
     num_host = len(host.block_ids) if host else 0
     d = read_description(batch, expected_meta, len(dst_block_ids) + num_host)
     received = d.metadata
@@ -255,11 +255,6 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                               f"expected ids in [0, {src_blocks})")
     ids = check_destination(kv_caches, dst_block_ids)
 
-    dst = checksums.slabs
-    if dst.ctypes.data != kv_caches[0].data_ptr() or dst.shape[:2] != (2 * len(kv_caches),
-                                                                        kv_caches[0].shape[1]):
-        raise ValueError("checksums: expected the store of this pool (pool_checksums of "
-                         "kv_caches)")
     slab_bytes = dst.shape[2]
     need = dst.shape[0] * src_blocks * slab_bytes
     if need > segment.nbytes:
@@ -290,6 +285,24 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                               "overwritten in the sender's pool")
     checksums.stored(ids, sums[pool_rows])
     return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
+
+
+def _check_shared_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta,
+                       checksums: BlockChecksums) -> np.ndarray:
+    """The pool's byte view from its checksum store, after checking that the store is this
+    pool's and the pool is ``meta``'s layout (a local bug if not). The store's view was made
+    from the pool (``pool_checksums``), whose layers are slices of one allocation, so its
+    start, shape and the first layer's dtype settle it without a pass over the layers."""
+    slabs = checksums.slabs
+    slab_bytes = math.prod(meta.layer_block_shape) * _WIRE[meta.dtype][0].itemsize
+    want = (2 * meta.num_layers, kv_caches[0].shape[1], slab_bytes)
+    if (len(kv_caches) != meta.num_layers or kv_caches[0].dtype != _WIRE[meta.dtype][0]
+            or slabs.shape != want or slabs.ctypes.data != kv_caches[0].data_ptr()):
+        raise ValueError(f"kv_caches: {len(kv_caches)} {kv_caches[0].dtype} layers whose "
+                         f"checksum store views {slabs.shape} bytes; expected {meta.num_layers} "
+                         f"{meta.dtype} layers of {meta.layer_block_shape} blocks and their "
+                         f"own store (pool_checksums of kv_caches) of {want}")
+    return slabs
 
 
 def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:

@@ -150,6 +150,28 @@ def test_a_description_for_another_pool_is_refused_untouched():
     assert_untouched(dst, before)
 
 
+def test_a_pool_with_another_pools_checksums_or_layout_is_a_local_error():
+    """The caller's own pool, its checksum store and its layout must agree: a ValueError
+    (a bug here, not a transfer to recompute), before any byte moves."""
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 4, seed=14)
+    _, dst = shared_pool(meta, 4, seed=15)
+    _, wider = shared_pool(meta, 5, seed=16)
+    fp32 = make_meta(torch.float32)
+    for pool, store, layout in ((src, pool_checksums(dst), meta),
+                                (src, pool_checksums(wider), meta),
+                                (src, pool_checksums(src), fp32)):
+        with pytest.raises(ValueError, match="kv_caches: .*expected"):
+            export_shared(pool, [0, 1], *seq_blocks(layout, 2), layout, seg.handle, store)
+    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle,
+                          pool_checksums(src))
+    before = snapshot(dst)
+    with pytest.raises(ValueError, match="kv_caches: .*expected") as refused:
+        import_shared(batch, dst, [2, 3], meta, PeerSegments(), pool_checksums(src))
+    assert not isinstance(refused.value, KVTransferError)
+    assert_untouched(dst, before)
+
+
 _SENDER = textwrap.dedent("""
     import sys, time
     import numpy as np, torch
