@@ -39,14 +39,13 @@ import yaml
 
 from benchmarks.http_load import (
     HOST,
-    RequestResult,
     free_port,
     make_prompts,
-    percentile,
     project_spec,
     running_server,
     stream_chat,
 )
+from benchmarks.load_stats import RequestResult, percentile
 
 _SAMPLE = re.compile(r'^llm_cluster_(pool_workers|worker_steps_total)\{([^}]*)\} (\S+)$')
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import http_load as hl
+from benchmarks import load_stats as ls
 
 # A streamed chat completion as `transformers serve` sends it: a role chunk, content
 # chunks, a last chunk with finish_reason and usage, no [DONE]; with SSE blank lines.
@@ -20,12 +21,12 @@ CANNED = [
 ]
 
 
-def feed(lines: list[str], times: list[float]) -> hl.RequestResult:
+def feed(lines: list[str], times: list[float]) -> ls.RequestResult:
     """Replay ``lines`` into a result sent at 0.0, line i received at ``times[i]``."""
-    result = hl.RequestResult(sent=0.0)
+    result = ls.RequestResult(sent=0.0)
     for line, now in zip(lines, times):
-        event = hl.parse_sse_line(line)
-        if event == hl.DONE:
+        event = ls.parse_sse_line(line)
+        if event == ls.DONE:
             break
         if isinstance(event, dict):
             result.observe(event, now)
@@ -34,11 +35,11 @@ def feed(lines: list[str], times: list[float]) -> hl.RequestResult:
 
 
 def test_parse_sse_line_kinds():
-    assert hl.parse_sse_line("data: [DONE]\n") == hl.DONE
-    assert hl.parse_sse_line("data:{\"a\": 1}") == {"a": 1}
-    assert hl.parse_sse_line("") is None
-    assert hl.parse_sse_line(": comment") is None
-    assert hl.parse_sse_line("event: message") is None
+    assert ls.parse_sse_line("data: [DONE]\n") == ls.DONE
+    assert ls.parse_sse_line("data:{\"a\": 1}") == {"a": 1}
+    assert ls.parse_sse_line("") is None
+    assert ls.parse_sse_line(": comment") is None
+    assert ls.parse_sse_line("event: message") is None
 
 
 def test_canned_stream_times_and_usage():
@@ -64,10 +65,10 @@ def test_stream_without_usage_counts_chunks_and_stops_at_done():
 
 
 def test_unfinished_request_counts_only_for_throughput():
-    cut = hl.RequestResult(sent=0.0, first=1.0, last=2.0, content_chunks=5,
+    cut = ls.RequestResult(sent=0.0, first=1.0, last=2.0, content_chunks=5,
                            error="cut off by the level's time bound")
-    ok = hl.RequestResult(sent=0.0, first=0.5, last=2.5, end=2.6, content_chunks=5)
-    s = hl.summarize(2, [cut, ok], wall_s=4.0)
+    ok = ls.RequestResult(sent=0.0, first=0.5, last=2.5, end=2.6, content_chunks=5)
+    s = ls.summarize(2, [cut, ok], wall_s=4.0)
     assert (s.sent, s.finished, s.mean_output_tokens) == (2, 1, 5.0)
     assert s.ttft_p50 == s.ttft_p99 == pytest.approx(0.5)
     assert s.tpot_p50 == pytest.approx(0.5)
@@ -78,16 +79,16 @@ def test_unfinished_request_counts_only_for_throughput():
 
 def test_percentile_interpolates_between_ranks():
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert hl.percentile(values, 50) == 3.0
-    assert hl.percentile(values, 0) == 1.0 and hl.percentile(values, 100) == 5.0
-    assert hl.percentile(values, 99) == pytest.approx(4.96)  # rank 3.96: 4 + 0.96 * (5 - 4)
-    assert hl.percentile([1.0, 2.0], 50) == 1.5
-    assert hl.percentile([7.0], 99) == 7.0
-    assert hl.percentile([], 50) is None
+    assert ls.percentile(values, 50) == 3.0
+    assert ls.percentile(values, 0) == 1.0 and ls.percentile(values, 100) == 5.0
+    assert ls.percentile(values, 99) == pytest.approx(4.96)  # rank 3.96: 4 + 0.96 * (5 - 4)
+    assert ls.percentile([1.0, 2.0], 50) == 1.5
+    assert ls.percentile([7.0], 99) == 7.0
+    assert ls.percentile([], 50) is None
 
 
-def level(clients: int, tokens: int, wall_s: float, ttft: float, tpot: float) -> hl.LevelStats:
-    return hl.LevelStats(clients=clients, sent=10, finished=10, output_tokens=tokens,
+def level(clients: int, tokens: int, wall_s: float, ttft: float, tpot: float) -> ls.LevelStats:
+    return ls.LevelStats(clients=clients, sent=10, finished=10, output_tokens=tokens,
                          mean_output_tokens=tokens / 10, wall_s=wall_s, ttft_p50=ttft,
                          ttft_p99=2 * ttft, tpot_p50=tpot, tpot_p99=2 * tpot, e2e_p50=1.0)
 
@@ -95,25 +96,25 @@ def level(clients: int, tokens: int, wall_s: float, ttft: float, tpot: float) ->
 def test_ratios_and_target():
     project = level(32, 6000, 20.0, 0.2, 0.050)   # 300 tok/s
     peer = level(32, 6000, 75.0, 0.8, 0.100)      # 80 tok/s
-    c = hl.compare(project, peer)
+    c = ls.compare(project, peer)
     assert c.throughput == pytest.approx(3.75)
     assert c.ttft_p50 == pytest.approx(0.25) and c.ttft_p99 == pytest.approx(0.25)
     assert c.tpot_p50 == pytest.approx(0.5) and c.tpot_p99 == pytest.approx(0.5)
-    assert hl.target_met(c) is True
-    slower = hl.compare(level(32, 6000, 30.0, 0.2, 0.050), peer)  # 200 tok/s: 2.5x
-    assert slower.throughput == pytest.approx(2.5) and hl.target_met(slower) is False
-    assert hl.ratio(1.0, None) is None and hl.ratio(None, 2.0) is None
+    assert ls.target_met(c) is True
+    slower = ls.compare(level(32, 6000, 30.0, 0.2, 0.050), peer)  # 200 tok/s: 2.5x
+    assert slower.throughput == pytest.approx(2.5) and ls.target_met(slower) is False
+    assert ls.ratio(1.0, None) is None and ls.ratio(None, 2.0) is None
 
 
 def test_report_pairs_levels_and_states_the_target():
-    runs = {hl.PROJECT: {"levels": [level(8, 1000, 10.0, 0.2, 0.05),
+    runs = {ls.PROJECT: {"levels": [level(8, 1000, 10.0, 0.2, 0.05),
                                     level(32, 6000, 20.0, 0.2, 0.05)]},
-            hl.PEER: {"levels": [level(32, 6000, 75.0, 0.8, 0.1)]}}
-    assert [c.clients for c in hl.comparisons_of(runs)] == [32]
-    text = hl.report(runs)
+            ls.PEER: {"levels": [level(32, 6000, 75.0, 0.8, 0.1)]}}
+    assert [c.clients for c in ls.comparisons_of(runs)] == [32]
+    text = ls.report(runs)
     assert "| 32 | 3.75 | 0.25 | 0.25 | 0.50 | 0.50 |" in text
     assert "throughput 3.75x, p99 TPOT ratio 0.50: met." in text
-    failed = hl.report({hl.PROJECT: runs[hl.PROJECT], hl.PEER: {"error": "no serve"}})
+    failed = ls.report({ls.PROJECT: runs[ls.PROJECT], ls.PEER: {"error": "no serve"}})
     assert "transformers did not run: no serve" in failed and "Target" not in failed
 
 
