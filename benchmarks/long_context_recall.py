@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from benchmarks.peers.common import NUM_THREADS
-from kvcache.block_summary import ExactSelector, combine, summarize
+from kvcache.block_summary import ExactSelector, combine, scoring_rows, summarize
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.long_context import SUMMARY_KINDS, LongContextConfig
 from workers.device import DEFAULT_BLOCK_SIZE
@@ -126,8 +126,8 @@ def recall(cap: Capture, config: LongContextConfig, kinds: Sequence[str], block_
     rb = config.retrieval_block_size
     num_layers, _, heads, _ = cap.queries.shape
     kvh = cap.keys.shape[2]
-    summaries = {kind: [retrieval_summaries(cap.keys[layer], kind, block_size, rb)
-                        for layer in range(num_layers)] for kind in kinds}
+    rows = {kind: [scoring_rows(retrieval_summaries(cap.keys[layer], kind, block_size, rb))
+                   for layer in range(num_layers)] for kind in kinds}
     selectors = {kind: ExactSelector(kind) for kind in kinds}
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, list[torch.Tensor]] = {}
@@ -147,7 +147,7 @@ def recall(cap: Capture, config: LongContextConfig, kinds: Sequence[str], block_
                       "random": torch.rand(kvh, m, generator=gen).argsort(1)[:, :k]}
             for kind in kinds:
                 chosen[f"selected/{kind}"] = selectors[kind].select(
-                    cap.queries[layer, i], summaries[kind][layer][first:first + m], k)
+                    cap.queries[layer, i], rows[kind][layer][:, first:first + m], k)
             step.setdefault("init+local", []).append(b)
             for name, idx in chosen.items():
                 step.setdefault(name, []).append(_captured(b, mid, idx.sort(dim=1).values))

@@ -7,10 +7,11 @@ estimate how much attention the block would get without reading its keys:
   ``q . mean``, the mean of its keys' logits;
 - ``minmax``: per-channel lower and upper bounds (Quest); a block scores
   ``sum_d max(q_d * min_d, q_d * max_d)``, an upper bound on any of its keys' logits;
-- ``hybrid``: both, scored halfway between the bound and the mean logit. The bound
-  overrates a block whose keys spread widely and the mean underrates one with a few
-  strong keys; on the default model's real attention their midpoint captures more of the
-  oracle's mass than either, and moves the next token less (benchmarks/RESULTS.md).
+- ``hybrid``: both, scored by the sum of the bound and the mean logit (twice their
+  midpoint, which ranks alike). The bound overrates a block whose keys spread widely
+  and the mean underrates one with a few strong keys; on the default model's real
+  attention their midpoint captures more of the oracle's mass than either, and moves
+  the next token less (benchmarks/RESULTS.md).
 
 Summaries are kept per *pool* block, where the KV is written, and combined into
 retrieval blocks (``retrieval_block_size`` tokens, several pool blocks) when scored:
@@ -18,6 +19,12 @@ a mean of equal-sized blocks' means, a min of mins, a max of maxes, so a retriev
 block's summary is exactly the one its keys would give. The query heads of a GQA
 group are combined by taking the best head's score: a block matters if it matters to
 any head that reads it.
+
+A sequence's retrieval-block summaries are scored in their *scoring rows* layout
+[KVH, M, S * D] (``scoring_rows``): every kind's score is then one batched product of
+the query's parts (``query_parts``) with the rows, which each decode step runs per layer
+and sequence. Three products in einsum's layout took as long as the step's sparse
+attention itself (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -70,38 +77,39 @@ def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Te
                        dim=-3)
 
 
-def score(query: torch.Tensor, summaries: torch.Tensor, kind: str) -> torch.Tensor:
-    """Scores [KVH, M] of retrieval blocks (``summaries`` [M, S, KVH, D]) for one token's
-    query heads ``query`` [H, D]; higher means more attention expected."""
-    _, _, kvh, d = summaries.shape
-    q = query.float().view(kvh, -1, d)                              # [KVH, G, D]
+def scoring_rows(summaries: torch.Tensor) -> torch.Tensor:
+    """Summaries [..., M, S, KVH, D] as ``score`` reads them: [..., KVH, M, S * D]."""
+    *lead, m, s, kvh, d = summaries.shape
+    n = len(lead)
+    return summaries.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, s * d)
+
+
+def query_parts(query: torch.Tensor, kvh: int, kind: str) -> torch.Tensor:
+    """One token's query heads [H, D] as [KVH, G, S * D], matched to a scoring row's
+    vectors: ``q`` against the mean; against the bounds (lo, hi) its negative and
+    positive parts, since max(q_d * lo_d, q_d * hi_d) is q_d * hi_d where q_d > 0, else
+    q_d * lo_d."""
+    q = query.float().view(kvh, -1, query.shape[-1])
     if kind == "mean":
-        s = _dot(q, summaries[:, 0])
-    elif kind == "minmax":
-        s = _bound(q, summaries[:, 0], summaries[:, 1])
-    else:
-        s = 0.5 * (_bound(q, summaries[:, 0], summaries[:, 1]) + _dot(q, summaries[:, 2]))
-    return s.amax(1)
+        return q
+    bounds = (q.clamp(max=0), q.clamp(min=0))
+    return torch.cat(bounds if kind == "minmax" else (*bounds, q), dim=-1)
 
 
-def _dot(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Logits [KVH, G, M] of queries [KVH, G, D] against one vector per block [M, KVH, D]."""
-    return torch.einsum("hgd,mhd->hgm", q, keys)
-
-
-def _bound(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """The largest logit [KVH, G, M] any key within the bounds [M, KVH, D] can give:
-    max(q_d * lo_d, q_d * hi_d) is q_d * hi_d where q_d > 0, else q_d * lo_d, so two
-    matrix products instead of an elementwise [KVH, G, M, D] pass."""
-    return _dot(q.clamp(min=0), hi) + _dot(q.clamp(max=0), lo)
+def score(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scores [KVH, M] of retrieval blocks (``rows`` [KVH, M, S * D], ``scoring_rows``)
+    for one token's query heads ``query`` [H, D]; higher means more attention expected."""
+    parts = query_parts(query, rows.shape[0], kind)
+    return torch.bmm(parts, rows.transpose(1, 2)).amax(1)
 
 
 class BlockSelector(Protocol):
     """Chooses the middle blocks a decode step attends to. The default scores every
     block exactly; an external vector index can stand in behind the same call."""
 
-    def select(self, query: torch.Tensor, summaries: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices [KVH, k] (ascending per head) into ``summaries`` [M, S, KVH, D]."""
+    def select(self, query: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices [KVH, k] (ascending per head) into the M blocks of ``rows``
+        [KVH, M, S * D] (``scoring_rows``)."""
         ...
 
 
@@ -111,8 +119,8 @@ class ExactSelector:
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-    def select(self, query: torch.Tensor, summaries: torch.Tensor, k: int) -> torch.Tensor:
-        scores = score(query, summaries, self.kind)
+    def select(self, query: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+        scores = score(query, rows, self.kind)
         if k >= scores.shape[1]:
             idx = torch.arange(scores.shape[1], device=scores.device)
             return idx.expand(scores.shape[0], -1)

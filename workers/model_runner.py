@@ -247,8 +247,8 @@ class ModelRunner:
             sparse = self.long_context.step(
                 [(s.state.block_ids, s.state.num_computed_tokens,
                   s.state.num_computed_tokens + s.num_tokens) for s in scheduled],
-                [(s.state.tier, s.state.block_ids, s.state.num_computed_tokens + 1)
-                 for s in scheduled[:nd]], inputs.meta)
+                [(s.state.tier, s.state.num_computed_tokens + 1) for s in scheduled[:nd]],
+                inputs.meta)
         meta = inputs.meta
         if (self.graphs is not None and meta.num_decode_tokens == len(scheduled)
                 and self.graphs.fits(len(scheduled), meta.decode_block_tables.shape[1])):

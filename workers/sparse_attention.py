@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.block_summary import ExactSelector, combine, summarize, summary_width
+from kvcache.block_summary import ExactSelector, combine, scoring_rows, summarize, summary_width
 from kvcache.host_tier import HostKVStore
 from kvcache.kv_quant import value_width
 from kvcache.kv_tensors import KVShape
@@ -75,10 +75,11 @@ class RecallCache:
 class SeqTierState:
     """A long sequence's tiers on this worker (see ``TierChange``).
 
-    ``summaries`` [L, capacity, S, KVH, D] holds the summaries of its first
-    ``num_summarized`` middle retrieval blocks, combined once when a block joins the
-    middle: a block's keys never change after that, and a step then scores the middle
-    without re-reading pool summaries, whether the blocks are on the device or not.
+    ``summaries`` [L, KVH, capacity, S * D] holds the summaries of its first
+    ``num_summarized`` middle retrieval blocks as scoring rows (``scoring_rows``),
+    combined once when a block joins the middle: a block's keys never change after that,
+    and a step then scores the middle without re-reading pool summaries, whether the
+    blocks are on the device or not.
     """
 
     mode: KVMode
@@ -141,15 +142,15 @@ class LongContextAttention:
     def _extend_summaries(self, state: SeqTierState, pool_summaries: torch.Tensor) -> None:
         """Append the middle retrieval blocks whose pool blocks' summaries [L, n, S, KVH, D]
         come next in the sequence."""
-        new = combine(pool_summaries, self.per_block, self.config.summary)
-        have, m = state.num_summarized, new.shape[1]
-        if state.summaries is None or state.summaries.shape[1] < have + m:
-            grown = torch.empty((new.shape[0], 2 * (have + m), *new.shape[2:]),
-                                device=new.device)
+        new = scoring_rows(combine(pool_summaries, self.per_block, self.config.summary))
+        layers, kvh, m, width = new.shape
+        have = state.num_summarized
+        if state.summaries is None or state.summaries.shape[2] < have + m:
+            grown = torch.empty((layers, kvh, 2 * (have + m), width), device=new.device)
             if state.summaries is not None:
-                grown[:, :have] = state.summaries[:, :have]
+                grown[:, :, :have] = state.summaries[:, :, :have]
             state.summaries = grown
-        state.summaries[:, have:have + m] = new
+        state.summaries[:, :, have:have + m] = new
         state.num_summarized += m
 
     def summarize_blocks(self, kv_caches: list[torch.Tensor], block_ids: list[int],
@@ -196,11 +197,11 @@ class LongContextAttention:
 
     # ---- one step ------------------------------------------------------------------
     def step(self, touched: list[tuple[list[int], int, int]],
-             decodes: list[tuple[SeqTierState | None, list[int], int]],
+             decodes: list[tuple[SeqTierState | None, int]],
              meta: AttentionMetadata) -> SparseStep:
         """The hooks of one forward pass. ``touched``: per scheduled sequence, its device
         table and the token range ``[start, end)`` this step writes; ``decodes``: per
-        decode row, its tier state, device table and context length."""
+        decode row, its tier state and context length (its table is ``meta``'s row)."""
         self._step += 1
         bs = self.shape.block_size
         ids, counts = [], []
@@ -235,25 +236,28 @@ class SparseStep:
 
     def __init__(self, owner: LongContextAttention, touched_ids: torch.Tensor,
                  touched_counts: torch.Tensor,
-                 decodes: list[tuple[SeqTierState | None, list[int], int]],
+                 decodes: list[tuple[SeqTierState | None, int]],
                  meta: AttentionMetadata) -> None:
         self.owner = owner
         self.touched_ids = touched_ids
         self.touched_counts = touched_counts
         self.rows: list[_SparseRow] = []
         self.meta = meta
-        if any(st is not None and st.mode is not KVMode.DENSE for st, _, _ in decodes):
+        if any(st is not None and st.mode is not KVMode.DENSE for st, _ in decodes):
             self.meta = self._layout(decodes, meta)
 
-    def _layout(self, decodes: list[tuple[SeqTierState | None, list[int], int]],
+    def _layout(self, decodes: list[tuple[SeqTierState | None, int]],
                 meta: AttentionMetadata) -> AttentionMetadata:
         o = self.owner
         bs, r, kvh = o.shape.block_size, o.per_block, o.shape.num_kv_heads
         dev = meta.decode_block_tables.device
         parts, lens = [], []
-        for i, (st, table, length) in enumerate(decodes):
+        for i, (st, length) in enumerate(decodes):
+            # The row's device table as a tensor (host-tier entries read 0 there, and
+            # only the offloaded middle has them): sliced, not rebuilt from the list.
+            table = meta.decode_block_tables[i]
             if st is None or st.mode is KVMode.DENSE:
-                parts.append((meta.decode_block_tables[i, :-(-length // bs)], None, None))
+                parts.append((table[:-(-length // bs)], None, None))
                 lens.append(length)
                 continue
             st.steps += 1
@@ -262,19 +266,16 @@ class SparseStep:
             end = first + m
             start = first + st.num_summarized * r
             if start < end:   # blocks that joined the middle since the last step
-                ids = torch.as_tensor(table[start:end], device=o.summaries.device)
-                o._extend_summaries(st, o.summaries[:, ids])
+                o._extend_summaries(st, o.summaries[:, table[start:end].to(o.summaries.device)])
             if st.mode is KVMode.OFFLOAD:
                 off = first - st.host_first
                 middle = torch.as_tensor(st.host_ids[off:off + m])
             else:
-                middle = torch.as_tensor(table[first:first + m], device=dev)
+                middle = table[first:first + m]
             if lay.top_k:   # else no middle yet: initial and local blocks are the context
                 self.rows.append(_SparseRow(i, st, lay.top_k, first, middle.view(-1, r)))
-            parts.append((torch.as_tensor(table[:first], device=dev),
-                          lay.top_k * r,
-                          torch.as_tensor(table[lay.local_start // bs:-(-length // bs)],
-                                          device=dev)))
+            parts.append((table[:first], lay.top_k * r,
+                          table[lay.local_start // bs:-(-length // bs)]))
             lens.append(lay.num_attended_tokens)
         width = max(len(a) + (b or 0) + (0 if c is None else len(c)) for a, b, c in parts)
         tables = torch.zeros((len(parts), kvh, width), dtype=torch.long, device=dev)
@@ -316,7 +317,7 @@ class SparseStep:
         if (last is not None and (st.steps - 1) % o.config.reselect_every
                 and last.shape[1] == sr.top_k and int(last.max()) < m):
             return last
-        chosen = o.selector.select(q, st.summaries[layer, :m], sr.top_k)
+        chosen = o.selector.select(q, st.summaries[layer, :, :m], sr.top_k)
         st.selections[layer] = chosen
         o.stats.selections += 1
         return chosen

@@ -1,12 +1,12 @@
 """Block scores against logits computed key by key: the mean summary scores the mean
 logit, the min/max bound is at least every key's logit and reached when one key takes
-each channel's extreme, hybrid is their midpoint, and pool summaries combine into exactly
+each channel's extreme, hybrid is their sum, and pool summaries combine into exactly
 the summary of a retrieval block's keys."""
 
 import pytest
 import torch
 
-from kvcache.block_summary import ExactSelector, combine, score, summarize
+from kvcache.block_summary import ExactSelector, combine, score, scoring_rows, summarize
 from kvcache.long_context import SUMMARY_KINDS
 
 M, BS, KVH, G, D = 6, 8, 2, 3, 16
@@ -26,16 +26,17 @@ def test_scores_against_key_by_key_logits():
     keys, query = _case()
     counts = torch.full((M,), BS)
     logits = _logits(keys, query)
-    mean = score(query, summarize(keys, counts, "mean"), "mean")
+    mean = score(query, scoring_rows(summarize(keys, counts, "mean")), "mean")
     torch.testing.assert_close(mean, logits.mean(-1).amax(1))
-    bound = score(query, summarize(keys, counts, "minmax"), "minmax")
+    bound = score(query, scoring_rows(summarize(keys, counts, "minmax")), "minmax")
     assert (bound >= logits.amax(-1).amax(1) - 1e-5).all()
     # A block whose keys all equal one vector: the bound is that key's logit.
     same = keys[:, :1].expand(-1, BS, -1, -1)
-    torch.testing.assert_close(score(query, summarize(same, counts, "minmax"), "minmax"),
+    torch.testing.assert_close(score(query, scoring_rows(summarize(same, counts, "minmax")),
+                                     "minmax"),
                                _logits(same, query)[..., 0].amax(1))
-    hybrid = score(query, summarize(keys, counts, "hybrid"), "hybrid")
-    per_head = 0.5 * (bound_per_head(query, keys) + logits.mean(-1))
+    hybrid = score(query, scoring_rows(summarize(keys, counts, "hybrid")), "hybrid")
+    per_head = bound_per_head(query, keys) + logits.mean(-1)
     torch.testing.assert_close(hybrid, per_head.amax(1))
 
 
@@ -68,7 +69,7 @@ def test_partial_blocks_ignore_unwritten_rows(kind):
 def test_selector_takes_the_best_scored_blocks_in_order():
     keys, query = _case(3)
     summaries = summarize(keys, torch.full((M,), BS), "hybrid")
-    chosen = ExactSelector("hybrid").select(query, summaries, 2)
+    chosen = ExactSelector("hybrid").select(query, scoring_rows(summaries), 2)
     by_hand = (0.5 * (bound_per_head(query, keys) + _logits(keys, query).mean(-1))).amax(1)
     want = by_hand.topk(2, dim=1).indices.sort(dim=1).values
     assert torch.equal(chosen, want)
