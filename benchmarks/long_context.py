@@ -91,7 +91,8 @@ def attention_speed(context: int, batch: int, config: LongContextConfig, layers:
                              torch.full((batch,), context), [], BLOCK)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
     scale = HEAD_DIM ** -0.5
-    lc = LongContextAttention(config, shape, batch * blocks, torch.device("cpu"))
+    lc = LongContextAttention(config, shape, batch * blocks, torch.device("cpu"),
+                              ops.block_selector(config.summary))
     lc.summarize_blocks([kv], list(range(batch * blocks)), [BLOCK] * (batch * blocks))
     decodes = [(SeqTierState(KVMode.SPARSE), context) for _ in range(batch)]
     step = lc.step([], decodes, meta)

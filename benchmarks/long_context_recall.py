@@ -147,7 +147,7 @@ def recall(cap: Capture, config: LongContextConfig, kinds: Sequence[str], block_
                       "random": torch.rand(kvh, m, generator=gen).argsort(1)[:, :k]}
             for kind in kinds:
                 chosen[f"selected/{kind}"] = selectors[kind].select(
-                    cap.queries[layer, i], rows[kind][layer][:, first:first + m], k)
+                    cap.queries[layer, i][None], [rows[kind][layer][:, first:first + m]], [k])[0]
             step.setdefault("init+local", []).append(b)
             for name, idx in chosen.items():
                 step.setdefault(name, []).append(_captured(b, mid, idx.sort(dim=1).values))

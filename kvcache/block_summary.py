@@ -29,6 +29,7 @@ attention itself (benchmarks/RESULTS.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -104,24 +105,33 @@ def score(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 class BlockSelector(Protocol):
-    """Chooses the middle blocks a decode step attends to. The default scores every
-    block exactly; an external vector index can stand in behind the same call."""
+    """Chooses the middle blocks a decode step attends to, for all of one layer's sparse
+    rows at once. The default scores every block exactly (``ExactSelector``, and a
+    device's kernel for it: ``Ops.block_selector``); an external vector index can stand
+    in behind the same call."""
 
-    def select(self, query: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices [KVH, k] (ascending per head) into the M blocks of ``rows``
-        [KVH, M, S * D] (``scoring_rows``)."""
+    def select(self, queries: torch.Tensor, rows: Sequence[torch.Tensor],
+               ks: Sequence[int]) -> list[torch.Tensor]:
+        """Per row i: indices [KVH, min(ks[i], M_i)] (ascending per head) into the M_i
+        blocks of ``rows[i]`` [KVH, M_i, S * D] (``scoring_rows``), for the query heads
+        ``queries[i]`` [H, D]."""
         ...
 
 
 class ExactSelector:
-    """Top-k over the scores of every candidate block."""
+    """Top-k over the scores of every candidate block, in torch on any device."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-    def select(self, query: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-        scores = score(query, rows, self.kind)
-        if k >= scores.shape[1]:
-            idx = torch.arange(scores.shape[1], device=scores.device)
-            return idx.expand(scores.shape[0], -1)
-        return scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+    def select(self, queries: torch.Tensor, rows: Sequence[torch.Tensor],
+               ks: Sequence[int]) -> list[torch.Tensor]:
+        return [_top_k(score(q, r, self.kind), k) for q, r, k in zip(queries, rows, ks)]
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [KVH, k] of each head's k best scores [KVH, M], ascending."""
+    if k >= scores.shape[1]:
+        idx = torch.arange(scores.shape[1], device=scores.device)
+        return idx.expand(scores.shape[0], -1)
+    return scores.topk(k, dim=1, sorted=False).indices.sort(dim=1).values

@@ -126,8 +126,10 @@ class ModelRunner:
             # Graphs' padding rows write into one extra block, never given to the scheduler.
             self.kv_caches = self.ops.allocate_kv(
                 self.kv_shape, num_blocks + (1 if decode_graph_sizes else 0), device)
-        self.long_context = (LongContextAttention(long_context, self.kv_shape, num_blocks, device)
-                             if long_context is not None and long_context.enabled else None)
+        self.long_context = (
+            LongContextAttention(long_context, self.kv_shape, num_blocks, device,
+                                 self.ops.block_selector(long_context.summary))
+            if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
         self.tokenizer = checkpoint.tokenizer
         self._structured: StructuredOutputs | None = None  # built at the first constrained request

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.block_summary import ExactSelector, combine, scoring_rows, summarize, summary_width
+from kvcache.block_summary import BlockSelector, combine, scoring_rows, summarize, summary_width
 from kvcache.host_tier import HostKVStore
 from kvcache.kv_quant import value_width
 from kvcache.kv_tensors import KVShape
@@ -94,7 +94,8 @@ class SeqTierState:
 
 class LongContextAttention:
     def __init__(self, config: LongContextConfig, shape: KVShape, num_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, selector: BlockSelector) -> None:
+        """``selector``: the device's exact top-k (``Ops.block_selector``) or an index."""
         config.check_block_size(shape.block_size)
         self.config = config
         self.shape = shape
@@ -104,7 +105,7 @@ class LongContextAttention:
                                      device=device)
         host_blocks = config.host_budget // shape.bytes_per_block
         self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu")
-        self.selector = ExactSelector(config.summary)
+        self.selector = selector
         self.stats = TierStats(host_blocks=host_blocks)
         self._received: dict[int, torch.Tensor | None] = {}   # host block -> its summaries
         self._step = 0
@@ -298,9 +299,10 @@ class SparseStep:
     def decode_meta(self, layer: int, q: torch.Tensor,
                     kv_cache: torch.Tensor) -> AttentionMetadata:
         """The step's metadata with this layer's selected blocks in the sparse rows."""
+        self._select(layer, q)
         tables = self.meta.decode_head_tables
         for sr in self.rows:
-            chosen = self._select(layer, q[sr.row], sr)
+            chosen = sr.state.selections[layer]
             if sr.state.mode is KVMode.OFFLOAD:
                 picked = self._recall(layer, sr, chosen, kv_cache)
             else:
@@ -308,19 +310,27 @@ class SparseStep:
             tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
         return self.meta
 
-    def _select(self, layer: int, q: torch.Tensor, sr: _SparseRow) -> torch.Tensor:
-        """[KVH, k] middle indices, reused for ``reselect_every`` steps while the middle
-        keeps its size and k."""
-        o, st = self.owner, sr.state
-        m = sr.middle.shape[0]
-        last = st.selections.get(layer)
-        if (last is not None and (st.steps - 1) % o.config.reselect_every
-                and last.shape[1] == sr.top_k and int(last.max()) < m):
-            return last
-        chosen = o.selector.select(q, st.summaries[layer, :, :m], sr.top_k)
-        st.selections[layer] = chosen
-        o.stats.selections += 1
-        return chosen
+    def _select(self, layer: int, q: torch.Tensor) -> None:
+        """Each sparse row's [KVH, k] middle indices for ``layer``, into its state's
+        ``selections``: one selector call for the rows that choose in this step. A
+        choice is reused for ``reselect_every`` steps while the middle keeps its size
+        and k."""
+        o = self.owner
+        due = [sr for sr in self.rows if not self._reuses(layer, sr)]
+        if not due:
+            return
+        chosen = o.selector.select(
+            q[torch.as_tensor([sr.row for sr in due], device=q.device)],
+            [sr.state.summaries[layer, :, :sr.middle.shape[0]] for sr in due],
+            [sr.top_k for sr in due])
+        for sr, c in zip(due, chosen):
+            sr.state.selections[layer] = c
+        o.stats.selections += len(due)
+
+    def _reuses(self, layer: int, sr: _SparseRow) -> bool:
+        st, last = sr.state, sr.state.selections.get(layer)
+        return (last is not None and (st.steps - 1) % self.owner.config.reselect_every != 0
+                and last.shape[1] == sr.top_k and int(last.max()) < sr.middle.shape[0])
 
     def _recall(self, layer: int, sr: _SparseRow, chosen: torch.Tensor,
                 kv_cache: torch.Tensor) -> torch.Tensor:

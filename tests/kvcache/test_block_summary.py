@@ -69,7 +69,7 @@ def test_partial_blocks_ignore_unwritten_rows(kind):
 def test_selector_takes_the_best_scored_blocks_in_order():
     keys, query = _case(3)
     summaries = summarize(keys, torch.full((M,), BS), "hybrid")
-    chosen = ExactSelector("hybrid").select(query, scoring_rows(summaries), 2)
+    chosen, = ExactSelector("hybrid").select(query[None], [scoring_rows(summaries)], [2])
     by_hand = (0.5 * (bound_per_head(query, keys) + _logits(keys, query).mean(-1))).amax(1)
     want = by_hand.topk(2, dim=1).indices.sort(dim=1).values
     assert torch.equal(chosen, want)

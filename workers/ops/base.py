@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvcache.block_summary import BlockSelector
 from kvcache.kv_tensors import KVShape
 from workers.ops.quant_linear import Int8Weight
 
@@ -121,4 +122,9 @@ class Ops(Protocol):
                   kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of ``q`` [T, H, D] over each sequence's paged context
         (its new ``k``/``v`` [T, KVH, D] already written); returns [T, H, D]."""
+        ...
+
+    def block_selector(self, kind: str) -> BlockSelector:
+        """Sparse attention's exact top-k block selection for ``kind`` summaries
+        (``kvcache.block_summary``), run where this backend runs it fastest."""
         ...

@@ -5,7 +5,8 @@ for every layer of every step, which dominates a CPU decode step: the C++ kernel
 ``csrc/paged_attention_cpu.cpp`` reads keys and values in place. The reference
 norms, rotary, KV writes and MLP activation are each many small torch ops, whose
 dispatch and re-reads cost more than their arithmetic at decode batch sizes:
-``csrc/fused_ops_cpu.cpp`` does each in one pass. The kernels are built once per
+``csrc/fused_ops_cpu.cpp`` does each in one pass, and sparse attention's block selection
+is one call per layer (``csrc/block_select_cpu.cpp``). The kernels are built once per
 machine with torch's extension builder (g++ and ninja) into the cache directory;
 when that is impossible the engine keeps the reference path and says so.
 
@@ -30,7 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvcache.block_summary import BlockSelector
 from kvcache.build_cache import cache_root, publish
+from kvcache.long_context import SUMMARY_KINDS
 from workers.ops.base import AttentionMetadata
 from workers.ops.fused_decode import FusedDecode, LayerWeights, fuse_decode
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
@@ -228,6 +231,22 @@ class CpuOps(TorchOps):
             tables, lens = meta.decode_block_tables, meta.decode_seq_lens
         return torch.ops.llm_cluster.paged_decode_attention(
             q.contiguous(), kv_cache[0], kv_cache[1], tables, lens, scale)
+
+    def block_selector(self, kind: str) -> BlockSelector:
+        return CpuBlockSelector(kind)
+
+
+class CpuBlockSelector:
+    """``ExactSelector`` in one C++ call per layer (``csrc/block_select_cpu.cpp``): the
+    same scores up to fp32 rounding, equal scores ranking the lower block first."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = SUMMARY_KINDS.index(kind)
+
+    def select(self, queries: torch.Tensor, rows: Sequence[torch.Tensor],
+               ks: Sequence[int]) -> list[torch.Tensor]:
+        return torch.ops.llm_cluster.select_blocks(queries.float().contiguous(), list(rows),
+                                                   list(ks), self.kind)
 
 
 _KINDS = {torch.float32: "fp32", torch.float16: "fp16"}  # linear-choice kinds of fp weights

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from kvcache.block_summary import BlockSelector, ExactSelector
 from kvcache.kv_layout import LAYOUT_ND
 from kvcache.kv_quant import dequantize_rows, quantize_rows
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
@@ -101,6 +102,9 @@ class TorchOps:
                 ks, vs = _gather(kv_cache, seg.block_table, seg.context_len, q.dtype)
             out[s:s + n] = _causal_attention(q[s:s + n], ks, vs, scale)
         return out
+
+    def block_selector(self, kind: str) -> BlockSelector:
+        return ExactSelector(kind)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

@@ -1,0 +1,71 @@
+"""The CPU kernel's block selection (``CpuBlockSelector``) against float64 scores taken
+from the summaries' definitions: for every row and KV head it takes a top k (no block it
+left scores above the lowest it took, beyond fp32 rounding), ascending; k at or above
+the block count takes every block in order; equal scores take the lower block. Rows of
+different sizes, strided views (as a sequence's summaries are) and each summary kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache.block_summary import scoring_rows
+from kvcache.long_context import SUMMARY_KINDS
+from workers.ops.cpu_kernels import CpuBlockSelector, load_cpu_kernels
+
+pytestmark = pytest.mark.skipif(load_cpu_kernels() is not None,
+                                reason="the CPU kernels cannot be built here")
+
+KVH, G, D = 3, 3, 64
+
+
+def summaries(m: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    """Random summaries [M, S, KVH, D] of ``kind``: bounds with lo <= hi, a mean."""
+    a, b = torch.randn(2, m, KVH, D, generator=g)
+    vectors = {"mean": [a], "minmax": [torch.minimum(a, b), torch.maximum(a, b)],
+               "hybrid": [torch.minimum(a, b), torch.maximum(a, b), (a + b) / 2]}[kind]
+    return torch.stack(vectors, dim=1)
+
+
+def exact_scores(query: torch.Tensor, summ: torch.Tensor, kind: str) -> torch.Tensor:
+    """[KVH, M] float64: the best of each KV head's query heads, by definition."""
+    q = query.double().view(KVH, G, 1, D)
+    s = summ.double().permute(2, 0, 1, 3)[:, None]                 # [KVH, 1, M, S, D]
+    mean = (q * s[..., -1, :]).sum(-1)
+    bound = torch.maximum(q * s[..., 0, :], q * s[..., 1, :]).sum(-1) if kind != "mean" else 0
+    return {"mean": mean, "minmax": bound, "hybrid": bound + mean}[kind].amax(1)
+
+
+def strided(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` [KVH, M, W] as a view into a longer buffer, as ``SeqTierState`` holds them."""
+    buf = torch.full((rows.shape[0], rows.shape[1] + 7, rows.shape[2]), float("nan"))
+    buf[:, :rows.shape[1]] = rows
+    return buf[:, :rows.shape[1]]
+
+
+@pytest.mark.parametrize("kind", SUMMARY_KINDS)
+def test_each_row_gets_a_top_k_of_the_exact_scores(kind):
+    g = torch.Generator().manual_seed(SUMMARY_KINDS.index(kind))
+    sizes, ks = [56, 5, 300, 56], [8, 9, 40, 56]
+    summ = [summaries(m, kind, g) for m in sizes]
+    queries = torch.randn(len(sizes), KVH * G, D, generator=g)
+    chosen = CpuBlockSelector(kind).select(queries, [strided(scoring_rows(s)) for s in summ], ks)
+    for q, s, k, got in zip(queries, summ, ks, chosen):
+        m = s.shape[0]
+        assert got.dtype == torch.int64 and got.shape == (KVH, min(k, m))
+        if k >= m:
+            assert torch.equal(got, torch.arange(m).expand(KVH, -1))
+            continue
+        exact = exact_scores(q, s, kind)
+        for head, picked in enumerate(got):
+            assert (picked.diff() > 0).all()
+            left = torch.ones(m, dtype=torch.bool)
+            left[picked] = False
+            assert exact[head, picked].min() >= exact[head, left].max() - 1e-4
+
+
+def test_equal_scores_take_the_lower_blocks():
+    rows = torch.zeros(KVH, 10, 3 * D)
+    rows[:, 6] = 1.0   # one block above the rest, the others tied at 0
+    got, = CpuBlockSelector("hybrid").select(torch.ones(1, KVH * G, D), [rows], [3])
+    assert torch.equal(got, torch.tensor([0, 1, 6]).expand(KVH, -1))
