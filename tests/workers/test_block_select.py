@@ -1,8 +1,9 @@
 """The CPU kernel's block selection (``CpuBlockSelector``) against float64 scores taken
 from the summaries' definitions: for every row and KV head it takes a top k (no block it
 left scores above the lowest it took, beyond fp32 rounding), ascending; k at or above
-the block count takes every block in order; equal scores take the lower block. Rows of
-different sizes, strided views (as a sequence's summaries are) and each summary kind."""
+the block count takes every block in order; equal scores take the lower block; a NaN
+query still gets valid blocks. Rows of different sizes, strided views (as a sequence's
+summaries are) and each summary kind."""
 
 from __future__ import annotations
 
@@ -69,3 +70,13 @@ def test_equal_scores_take_the_lower_blocks():
     rows[:, 6] = 1.0   # one block above the rest, the others tied at 0
     got, = CpuBlockSelector("hybrid").select(torch.ones(1, KVH * G, D), [rows], [3])
     assert torch.equal(got, torch.tensor([0, 1, 6]).expand(KVH, -1))
+
+
+def test_a_nan_query_gets_valid_blocks():
+    """NaN scores rank last instead of breaking the partial sort's order."""
+    rows = torch.randn(KVH, 40, 3 * D, generator=torch.Generator().manual_seed(7))
+    query = torch.randn(1, KVH * G, D)
+    query[0, :G, 5] = float("nan")   # every query head of KV head 0
+    got, = CpuBlockSelector("hybrid").select(query, [rows], [6])
+    assert got.shape == (KVH, 6) and (got.diff(dim=1) > 0).all()
+    assert torch.equal(got[0], torch.arange(6))   # all NaN: the lowest blocks

@@ -39,7 +39,8 @@ void query_parts(const float* q, int64_t heads, int64_t dim, int64_t kind, float
   }
 }
 
-// Indices (ascending) of the k highest of `scores`; equal scores rank the lower index first.
+// Indices (ascending) of the k highest of `scores` (no NaN: the comparison must be a strict
+// order); equal scores rank the lower index first.
 void top_k(const std::vector<float>& scores, int64_t k, int64_t* out) {
   std::vector<int64_t> idx(scores.size());
   std::iota(idx.begin(), idx.end(), int64_t{0});
@@ -102,7 +103,7 @@ std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList 
           for (int64_t w = 0; w < width; ++w) s += pg[w] * x[w];
           best = std::max(best, s);
         }
-        scores[m] = best;
+        scores[m] = std::isnan(best) ? -INFINITY : best;   // a strict order for the sort
       }
       top_k(scores, out[r].size(1), out[r].data_ptr<int64_t>() + h * out[r].size(1));
     }
