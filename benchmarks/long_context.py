@@ -63,14 +63,18 @@ BUDGET_2K = LongContextConfig(enabled=True, initial_tokens=128, local_tokens=896
                               offload_boundary=1 << 20)
 
 
-def median_ms(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def median_ms(fns: Sequence[Callable[[], None]], repeats: int) -> list[float]:
+    """Each function's median time in ms, the functions taking turns in every round, so
+    that the machine's drift between rounds falls on all of them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - t0)
+    return [1e3 * statistics.median(spent) for spent in times]
 
 
 # ---- attention -------------------------------------------------------------------------
@@ -96,10 +100,9 @@ def attention_speed(context: int, batch: int, config: LongContextConfig, layers:
     lc.summarize_blocks([kv], list(range(batch * blocks)), [BLOCK] * (batch * blocks))
     decodes = [(SeqTierState(KVMode.SPARSE), context) for _ in range(batch)]
     step = lc.step([], decodes, meta)
-    dense_ms = median_ms(lambda: ops.attention(q, q, q, kv, meta, scale), repeats)
-    layout_ms = median_ms(lambda: lc.step([], decodes, meta), repeats)
-    layer_ms = median_ms(lambda: ops.attention(q, q, q, kv, step.decode_meta(0, q, kv), scale),
-                         repeats)
+    dense_ms, layout_ms, layer_ms = median_ms(
+        [lambda: ops.attention(q, q, q, kv, meta, scale), lambda: lc.step([], decodes, meta),
+         lambda: ops.attention(q, q, q, kv, step.decode_meta(0, q, kv), scale)], repeats)
     dense, sparse = layers * dense_ms, layout_ms + layers * layer_ms
     attended = config.layout(context).num_attended_tokens
     return {"context": context, "batch": batch, "dense_ms": dense, "sparse_ms": sparse,

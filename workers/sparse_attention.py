@@ -225,6 +225,11 @@ class _SparseRow:
     first: int            # table column of the first selected block
     middle: torch.Tensor  # [M, r] device blocks (sparse) or host blocks (offload)
 
+    @property
+    def scoring_rows(self) -> torch.Tensor:
+        """[L, KVH, M, S * D]: the middle's summaries in every layer."""
+        return self.state.summaries[:, :, :self.middle.shape[0]]
+
 
 class SparseStep:
     """What the model calls around each layer's attention in one forward pass.
@@ -246,6 +251,10 @@ class SparseStep:
         self.meta = meta
         if any(st is not None and st.mode is not KVMode.DENSE for st, _ in decodes):
             self.meta = self._layout(decodes, meta)
+        # What every layer's selection reads, made once a step.
+        self.row_ids = torch.as_tensor([sr.row for sr in self.rows],
+                                       device=meta.decode_block_tables.device)
+        self.scoring_rows = [sr.scoring_rows for sr in self.rows]
 
     def _layout(self, decodes: list[tuple[SeqTierState | None, int]],
                 meta: AttentionMetadata) -> AttentionMetadata:
@@ -319,10 +328,12 @@ class SparseStep:
         due = [sr for sr in self.rows if not self._reuses(layer, sr)]
         if not due:
             return
-        chosen = o.selector.select(
-            q[torch.as_tensor([sr.row for sr in due], device=q.device)],
-            [sr.state.summaries[layer, :, :sr.middle.shape[0]] for sr in due],
-            [sr.top_k for sr in due])
+        if len(due) == len(self.rows):   # every row, as with reselect_every 1
+            queries, rows = q.index_select(0, self.row_ids), self.scoring_rows
+        else:
+            queries = q[torch.as_tensor([sr.row for sr in due], device=q.device)]
+            rows = [sr.scoring_rows for sr in due]
+        chosen = o.selector.select(queries, [r[layer] for r in rows], [sr.top_k for sr in due])
         for sr, c in zip(due, chosen):
             sr.state.selections[layer] = c
         o.stats.selections += len(due)
