@@ -20,7 +20,6 @@ from cluster.config import config_from_dict
 from kvcache.config import CacheConfig
 from kvcache.device_transport import export_device, import_device
 from kvcache.kv_transfer import KVTransferError
-from scheduler.protocol import ContinuedSequence, NewSequence, StepPlan
 from tests.kvcache.test_kv_transfer import (
     assert_blocks_equal,
     make_meta,
@@ -39,8 +38,7 @@ from tests.workers.test_model_parity import (
 )
 from tests.workers.test_smoothquant import ByteTokenizer
 from tests.workers.test_sparse_attention import REGIONS, generate
-from tests.workers.test_worker import GREEDY as WORKER_GREEDY
-from tests.workers.test_worker import PROMPT, _step
+from tests.workers.test_worker import assert_handoff_continues_bit_exact
 from workers.loading import load_checkpoint
 from workers.models.calibration import activation_maxima, calibration_ids
 from workers.ops.cuda import CudaOps
@@ -208,14 +206,4 @@ def test_a_worker_handoff_on_cuda_continues_bit_exact(tiny_factory):
     stream; the receiver continues as the sender would have."""
     spec = WorkerSpec(tiny_factory("llama").path, None, "float32", "cuda", 0, "auto",
                       CacheConfig(kv_cache_bytes=1 << 20), None, 1)
-    prefill, decode = Worker(spec, "prefill"), Worker(spec, "decode")
-    first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
-                                                         WORKER_GREEDY)]))
-    info, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
-    assert decode.import_kv(batch, [7, 3, 9]) == info.nbytes > 0
-    for src, dst in zip(prefill.runner.kv_caches, decode.runner.kv_caches):
-        assert torch.equal(src[:, [0, 1, 2]], dst[:, [7, 3, 9]])
-    here = _step(prefill, StepPlan(1, continued=[ContinuedSequence("s", [], 1)]))
-    there = _step(decode, StepPlan(0, new=[NewSequence("s", PROMPT + first, 40, 40,
-                                                        [7, 3, 9], 1, WORKER_GREEDY)]))
-    assert here == there
+    assert_handoff_continues_bit_exact(Worker(spec, "prefill"), Worker(spec, "decode"))

@@ -34,23 +34,28 @@ def _step(worker: Worker, plan: StepPlan) -> list[int]:
     return [t for o in out.outputs for t in o.token_ids]
 
 
+def assert_handoff_continues_bit_exact(prefill: Worker, decode: Worker) -> None:
+    """Prefill PROMPT on ``prefill``, hand its three blocks to ``decode`` (other block
+    ids), and check the blocks arrive bit-exact and the decode worker's next token is the
+    prefill worker's own continuation."""
+    first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
+                                                         GREEDY)]))
+    info, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
+    assert decode.import_kv(batch, [7, 3, 9]) == info.nbytes > 0
+    for src, dst in zip(prefill.runner.kv_caches, decode.runner.kv_caches):
+        assert torch.equal(src[:, [0, 1, 2]], dst[:, [7, 3, 9]])
+    here = _step(prefill, StepPlan(1, continued=[ContinuedSequence("s", [], 1)]))
+    there = _step(decode, StepPlan(0, new=[NewSequence("s", PROMPT + first, 40, 40,
+                                                        [7, 3, 9], 1, GREEDY)]))
+    assert here == there
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_handoff_between_workers_continues_bit_exact(tiny_factory, kv_dtype):
     """int8 blocks carry their scales inside them, so they arrive bit-exact too."""
     path = tiny_factory("llama").path
-    prefill, decode_w = _worker(path, "prefill", kv_dtype), _worker(path, "decode", kv_dtype)
-    first = _step(prefill, StepPlan(0, new=[NewSequence("s", PROMPT, 40, 0, [0, 1, 2], 40,
-                                                         GREEDY)]))
-    info, batch = prefill.export_kv([0, 1, 2], [None] * 3, [16, 16, 8])
-    nbytes = decode_w.import_kv(batch, [7, 3, 9])
-    assert nbytes == info.nbytes > 0
-    for src, dst in zip(prefill.runner.kv_caches, decode_w.runner.kv_caches):
-        assert torch.equal(src[:, [0, 1, 2]], dst[:, [7, 3, 9]])
-    # The decode worker's next token equals the prefill worker's own continuation.
-    here = _step(prefill, StepPlan(1, continued=[ContinuedSequence("s", [], 1)]))
-    there = _step(decode_w, StepPlan(0, new=[NewSequence("s", PROMPT + first, 40, 40,
-                                                          [7, 3, 9], 1, GREEDY)]))
-    assert here == there
+    assert_handoff_continues_bit_exact(_worker(path, "prefill", kv_dtype),
+                                       _worker(path, "decode", kv_dtype))
 
 
 @pytest.mark.parametrize("plan", [HandoffPlan(Transport.SHARED_MEMORY, 1),
