@@ -79,10 +79,22 @@ def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Te
 
 
 def scoring_rows(summaries: torch.Tensor) -> torch.Tensor:
-    """Summaries [..., M, S, KVH, D] as ``score`` reads them: [..., KVH, M, S * D]."""
+    """Summaries [..., M, S, KVH, D] as ``score`` reads them: [..., KVH, M, S * D], in fp16.
+
+    A decode step reads every middle block's row in every layer, and at a small budget
+    those reads cost as much as attending the selected tokens; fp16 halves them. The
+    bounds are rounded outward (lo down, hi up), so ``minmax`` still bounds every key's
+    logit; the mean rounds to nearest."""
     *lead, m, s, kvh, d = summaries.shape
     n = len(lead)
-    return summaries.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, s * d)
+    half = summaries.half()
+    if s > 1:   # lo, hi lead (summary_width)
+        down = torch.tensor(float("-inf"), dtype=half.dtype, device=half.device)
+        for i, toward in ((0, down), (1, -down)):
+            v, exact = half[..., i, :, :], summaries[..., i, :, :]
+            wrong = v.float() < exact if i else v.float() > exact
+            half[..., i, :, :] = torch.where(wrong, torch.nextafter(v, toward), v)
+    return half.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, s * d)
 
 
 def query_parts(query: torch.Tensor, kvh: int, kind: str) -> torch.Tensor:
@@ -101,7 +113,7 @@ def score(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
     """Scores [KVH, M] of retrieval blocks (``rows`` [KVH, M, S * D], ``scoring_rows``)
     for one token's query heads ``query`` [H, D]; higher means more attention expected."""
     parts = query_parts(query, rows.shape[0], kind)
-    return torch.bmm(parts, rows.transpose(1, 2)).amax(1)
+    return torch.bmm(parts, rows.float().transpose(1, 2)).amax(1)
 
 
 class BlockSelector(Protocol):

@@ -76,7 +76,7 @@ class SeqTierState:
     """A long sequence's tiers on this worker (see ``TierChange``).
 
     ``summaries`` [L, KVH, capacity, S * D] holds the summaries of its first
-    ``num_summarized`` middle retrieval blocks as scoring rows (``scoring_rows``),
+    ``num_summarized`` middle retrieval blocks as (fp16) scoring rows (``scoring_rows``),
     combined once when a block joins the middle: a block's keys never change after that,
     and a step then scores the middle without re-reading pool summaries, whether the
     blocks are on the device or not.
@@ -147,7 +147,8 @@ class LongContextAttention:
         layers, kvh, m, width = new.shape
         have = state.num_summarized
         if state.summaries is None or state.summaries.shape[2] < have + m:
-            grown = torch.empty((layers, kvh, 2 * (have + m), width), device=new.device)
+            grown = torch.empty((layers, kvh, 2 * (have + m), width), dtype=new.dtype,
+                                device=new.device)
             if state.summaries is not None:
                 grown[:, :, :have] = state.summaries[:, :, :have]
             state.summaries = grown

@@ -20,17 +20,20 @@ pytestmark = pytest.mark.skipif(load_cpu_kernels() is not None,
 KVH, G, D = 3, 3, 64
 
 
-def summaries(m: int, kind: str, g: torch.Generator) -> torch.Tensor:
-    """Random summaries [M, S, KVH, D] of ``kind``: bounds with lo <= hi, a mean."""
-    a, b = torch.randn(2, m, KVH, D, generator=g)
+def summaries(m: int, kind: str, g: torch.Generator, kvh: int = KVH, d: int = D) -> torch.Tensor:
+    """Random summaries [M, S, KVH, D] of ``kind``: bounds with lo <= hi, a mean; values
+    fp16 holds exactly, so the fp16 scoring rows are these summaries."""
+    a, b = torch.randn(2, m, kvh, d, generator=g).half().float()
     vectors = {"mean": [a], "minmax": [torch.minimum(a, b), torch.maximum(a, b)],
-               "hybrid": [torch.minimum(a, b), torch.maximum(a, b), (a + b) / 2]}[kind]
+               "hybrid": [torch.minimum(a, b), torch.maximum(a, b),
+                          ((a + b) / 2).half().float()]}[kind]
     return torch.stack(vectors, dim=1)
 
 
 def exact_scores(query: torch.Tensor, summ: torch.Tensor, kind: str) -> torch.Tensor:
     """[KVH, M] float64: the best of each KV head's query heads, by definition."""
-    q = query.double().view(KVH, G, 1, D)
+    kvh, d = summ.shape[2:]
+    q = query.double().view(kvh, -1, 1, d)
     s = summ.double().permute(2, 0, 1, 3)[:, None]                 # [KVH, 1, M, S, D]
     mean = (q * s[..., -1, :]).sum(-1)
     bound = torch.maximum(q * s[..., 0, :], q * s[..., 1, :]).sum(-1) if kind != "mean" else 0
@@ -39,23 +42,30 @@ def exact_scores(query: torch.Tensor, summ: torch.Tensor, kind: str) -> torch.Te
 
 def strided(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` [KVH, M, W] as a view into a longer buffer, as ``SeqTierState`` holds them."""
-    buf = torch.full((rows.shape[0], rows.shape[1] + 7, rows.shape[2]), float("nan"))
+    buf = torch.full((rows.shape[0], rows.shape[1] + 7, rows.shape[2]), float("nan"),
+                     dtype=rows.dtype)
     buf[:, :rows.shape[1]] = rows
     return buf[:, :rows.shape[1]]
 
 
+# The kernel's vector path (KV head groups of up to 8, widths in 8s; 24 * S leaves a last 8)
+# and its plain loops.
+SHAPES = [(KVH, G, D), (2, 4, 24), (1, 9, 20)]
+
+
+@pytest.mark.parametrize("kvh, group, d", SHAPES)
 @pytest.mark.parametrize("kind", SUMMARY_KINDS)
-def test_each_row_gets_a_top_k_of_the_exact_scores(kind):
+def test_each_row_gets_a_top_k_of_the_exact_scores(kind, kvh, group, d):
     g = torch.Generator().manual_seed(SUMMARY_KINDS.index(kind))
     sizes, ks = [56, 5, 300, 56], [8, 9, 40, 56]
-    summ = [summaries(m, kind, g) for m in sizes]
-    queries = torch.randn(len(sizes), KVH * G, D, generator=g)
+    summ = [summaries(m, kind, g, kvh, d) for m in sizes]
+    queries = torch.randn(len(sizes), kvh * group, d, generator=g)
     chosen = CpuBlockSelector(kind).select(queries, [strided(scoring_rows(s)) for s in summ], ks)
     for q, s, k, got in zip(queries, summ, ks, chosen):
         m = s.shape[0]
-        assert got.dtype == torch.int64 and got.shape == (KVH, min(k, m))
+        assert got.dtype == torch.int64 and got.shape == (kvh, min(k, m))
         if k >= m:
-            assert torch.equal(got, torch.arange(m).expand(KVH, -1))
+            assert torch.equal(got, torch.arange(m).expand(kvh, -1))
             continue
         exact = exact_scores(q, s, kind)
         for head, picked in enumerate(got):
@@ -66,7 +76,7 @@ def test_each_row_gets_a_top_k_of_the_exact_scores(kind):
 
 
 def test_equal_scores_take_the_lower_blocks():
-    rows = torch.zeros(KVH, 10, 3 * D)
+    rows = torch.zeros(KVH, 10, 3 * D, dtype=torch.float16)
     rows[:, 6] = 1.0   # one block above the rest, the others tied at 0
     got, = CpuBlockSelector("hybrid").select(torch.ones(1, KVH * G, D), [rows], [3])
     assert torch.equal(got, torch.tensor([0, 1, 6]).expand(KVH, -1))
@@ -74,7 +84,7 @@ def test_equal_scores_take_the_lower_blocks():
 
 def test_a_nan_query_gets_valid_blocks():
     """NaN scores rank last instead of breaking the partial sort's order."""
-    rows = torch.randn(KVH, 40, 3 * D, generator=torch.Generator().manual_seed(7))
+    rows = torch.randn(KVH, 40, 3 * D, generator=torch.Generator().manual_seed(7)).half()
     query = torch.randn(1, KVH * G, D)
     query[0, :G, 5] = float("nan")   # every query head of KV head 0
     got, = CpuBlockSelector("hybrid").select(query, [rows], [6])

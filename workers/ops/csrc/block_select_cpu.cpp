@@ -3,16 +3,20 @@
 // ops (the query's parts, a batched product, the max over the GQA group, top-k, a sort):
 // 100 us a row and layer at decode sizes on a 2-core EPYC, as long as attending its 2K
 // selected tokens took (benchmarks/RESULTS.md). Here each (row, KV head) is one pass over
-// its scoring rows and a partial sort. Registered under torch.ops.llm_cluster.
+// its scoring rows and a partial sort. The rows are fp16 (kvcache/block_summary.py's
+// scoring_rows), widened here. Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
 #include <vector>
+
+#include "vec_math.h"
 
 namespace {
 
@@ -41,8 +45,8 @@ void query_parts(const float* q, int64_t heads, int64_t dim, int64_t kind, float
 
 // Indices (ascending) of the k highest of `scores` (no NaN: the comparison must be a strict
 // order); equal scores rank the lower index first.
-void top_k(const std::vector<float>& scores, int64_t k, int64_t* out) {
-  std::vector<int64_t> idx(scores.size());
+void top_k(const float* scores, int64_t m, int64_t k, int64_t* out) {
+  std::vector<int64_t> idx(m);
   std::iota(idx.begin(), idx.end(), int64_t{0});
   std::nth_element(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
     return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
@@ -51,9 +55,80 @@ void top_k(const std::vector<float>& scores, int64_t k, int64_t* out) {
   std::copy(idx.begin(), idx.begin() + k, out);
 }
 
-// Per row r: indices [KVH, min(k_r, M_r)] of the blocks of rows[r] [KVH, M_r, S * D] (a
-// scoring-row view; its last dimension contiguous) that score highest for queries[r]
-// [H, D]: a block's score is the best of the KV head's group of query heads.
+// One (row, KV head) of a selection: its fp16 scoring rows, one every `block_stride`
+// values, and its group's query parts [group, width].
+struct Task {
+  const at::Half* rows;
+  int64_t block_stride, group, row, head;
+  const float* parts;
+};
+
+// A block's score from its group's best head; NaN ranks last (a strict order for the sort).
+inline float rank_score(float best) { return std::isnan(best) ? -INFINITY : best; }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+inline __m256 widen8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+// Scores of blocks [first, first + count) of a task whose group has G heads and whose
+// width is a multiple of 8: each 8 widened values feed every head, two running sums a
+// head (one sum would wait on its own adds, and a dot product per head would widen and
+// reduce G times), so a block costs ~width * G / 16 FMA cycles.
+template <int G>
+void score_group(const Task& task, int64_t first, int64_t count, int64_t width, float* out) {
+  for (int64_t b = 0; b < count; ++b) {
+    const at::Half* x = task.rows + (first + b) * task.block_stride;
+    __m256 acc[G][2];
+    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    int64_t w = 0;
+    for (; w + 16 <= width; w += 16) {
+      const __m256 x0 = widen8(x + w), x1 = widen8(x + w + 8);
+      for (int g = 0; g < G; ++g) {
+        const float* p = task.parts + g * width + w;
+        acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), x1, acc[g][1]);
+      }
+    }
+    if (w < width) {   // the last 8
+      const __m256 x0 = widen8(x + w);
+      for (int g = 0; g < G; ++g)
+        acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(task.parts + g * width + w), x0, acc[g][0]);
+    }
+    float best = -INFINITY;
+    for (int g = 0; g < G; ++g) best = std::max(best, sum8(_mm256_add_ps(acc[g][0], acc[g][1])));
+    out[b] = rank_score(best);
+  }
+}
+
+using ScoreFn = void (*)(const Task&, int64_t, int64_t, int64_t, float*);
+constexpr ScoreFn kScoreGroup[] = {nullptr,         score_group<1>, score_group<2>,
+                                   score_group<3>, score_group<4>, score_group<5>,
+                                   score_group<6>, score_group<7>, score_group<8>};
+#endif
+
+// Scores of blocks [first, first + count) of `task`, each its group's best head.
+void score_blocks(const Task& task, int64_t first, int64_t count, int64_t width, float* out) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  if (width % 8 == 0 && task.group <= 8)
+    return kScoreGroup[task.group](task, first, count, width, out);
+#endif
+  std::vector<float> x(width);
+  for (int64_t b = 0; b < count; ++b) {
+    const at::Half* row = task.rows + (first + b) * task.block_stride;
+    for (int64_t w = 0; w < width; ++w) x[w] = static_cast<float>(row[w]);
+    float best = -INFINITY;
+    for (int64_t g = 0; g < task.group; ++g)
+      best = std::max(best, dot(task.parts + g * width, x.data(), width));
+    out[b] = rank_score(best);
+  }
+}
+
+// Per row r: indices [KVH, min(k_r, M_r)] of the blocks of rows[r] [KVH, M_r, S * D] (an
+// fp16 scoring-row view; its last dimension contiguous) that score highest for queries[r]
+// [H, D]: a block's score is the best of the KV head's group of query heads. Scoring is
+// split over the threads by blocks, not by (row, KV head): at batch 1 three KV heads on
+// two threads would leave one thread reading two heads' rows while the other idles.
 std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList rows,
                                       at::IntArrayRef ks, int64_t kind) {
   TORCH_CHECK(queries.scalar_type() == at::kFloat && queries.dim() == 3 &&
@@ -65,47 +140,50 @@ std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList 
   const int64_t width = kVectors[kind] * dim;
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(ks.size()) == n,
               "select_blocks: one scoring-row tensor and one k per query row");
+  // Task t's blocks' scores start at first_score[t].
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_score(1, 0);
   std::vector<at::Tensor> out(n);
-  std::vector<int64_t> first_task(n + 1, 0);
+  auto parts = at::empty({n, heads, width}, queries.options());
   for (int64_t r = 0; r < n; ++r) {
     const at::Tensor& row = rows[r];
-    TORCH_CHECK(row.scalar_type() == at::kFloat && row.dim() == 3 && row.size(2) == width &&
+    TORCH_CHECK(row.scalar_type() == at::kHalf && row.dim() == 3 && row.size(2) == width &&
                     row.stride(2) == 1 && row.size(0) > 0 && heads % row.size(0) == 0,
-                "select_blocks: each rows tensor must be float32 [KVH, M, S * D] with a "
+                "select_blocks: each rows tensor must be float16 [KVH, M, S * D] with a "
                 "contiguous last dimension and KVH dividing the query heads");
     TORCH_CHECK(ks[r] > 0, "select_blocks: k must be positive");
-    out[r] = at::empty({row.size(0), std::min(ks[r], row.size(1))}, queries.options().dtype(at::kLong));
-    first_task[r + 1] = first_task[r] + row.size(0);
+    out[r] = at::empty({row.size(0), std::min(ks[r], row.size(1))},
+                       queries.options().dtype(at::kLong));
+    float* row_parts = parts.data_ptr<float>() + r * heads * width;
+    query_parts(queries.data_ptr<float>() + r * heads * dim, heads, dim, kind, row_parts);
+    const int64_t group = heads / row.size(0);
+    for (int64_t h = 0; h < row.size(0); ++h) {
+      tasks.push_back({row.data_ptr<at::Half>() + h * row.stride(0), row.stride(1), group, r,
+                       h, row_parts + h * group * width});
+      first_score.push_back(first_score.back() + row.size(1));
+    }
   }
-  auto parts = at::empty({n, heads, width}, queries.options());
-  for (int64_t r = 0; r < n; ++r)
-    query_parts(queries.data_ptr<float>() + r * heads * dim, heads, dim, kind,
-                parts.data_ptr<float>() + r * heads * width);
-  const float* pp = parts.data_ptr<float>();
-  at::parallel_for(0, first_task[n], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  std::vector<float> scores(first_score.back());
+  // Below a few hundred blocks (~15 ns each), waking a thread costs more than it saves.
+  constexpr int64_t kBlocksPerThread = 256;
+  at::parallel_for(0, first_score.back(), kBlocksPerThread, [&](int64_t begin, int64_t end) {
+    int64_t t = std::upper_bound(first_score.begin(), first_score.end(), begin) -
+                first_score.begin() - 1;
+    while (begin < end) {
+      const int64_t stop = std::min(end, first_score[t + 1]);
+      score_blocks(tasks[t], begin - first_score[t], stop - begin, width, scores.data() + begin);
+      begin = stop;
+      ++t;
+    }
+  });
+  const int64_t num_tasks = tasks.size();
+  const int64_t per_task = std::max<int64_t>(
+      1, kBlocksPerThread * num_tasks / std::max<int64_t>(1, first_score.back()));
+  at::parallel_for(0, num_tasks, per_task, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r = std::upper_bound(first_task.begin(), first_task.end(), t) -
-                        first_task.begin() - 1;
-      const at::Tensor& row = rows[r];
-      const int64_t h = t - first_task[r], m_blocks = row.size(1);
-      const int64_t group = heads / row.size(0);
-      const float* p = pp + (r * heads + h * group) * width;
-      const float* base = row.data_ptr<float>() + h * row.stride(0);
-      scores.assign(m_blocks, 0.f);
-      for (int64_t m = 0; m < m_blocks; ++m) {
-        const float* x = base + m * row.stride(1);
-        float best = -INFINITY;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* pg = p + g * width;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t w = 0; w < width; ++w) s += pg[w] * x[w];
-          best = std::max(best, s);
-        }
-        scores[m] = std::isnan(best) ? -INFINITY : best;   // a strict order for the sort
-      }
-      top_k(scores, out[r].size(1), out[r].data_ptr<int64_t>() + h * out[r].size(1));
+      const at::Tensor& o = out[tasks[t].row];
+      top_k(scores.data() + first_score[t], first_score[t + 1] - first_score[t], o.size(1),
+            o.data_ptr<int64_t>() + tasks[t].head * o.size(1));
     }
   });
   return out;

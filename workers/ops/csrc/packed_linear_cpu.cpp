@@ -46,24 +46,6 @@ void quantize_rows_int16(const float* x, int64_t rows, int64_t in, int64_t padde
   }
 }
 
-#if defined(__AVX2__)
-// The sum of a register's eight int32 lanes.
-inline int32_t sum8(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
-
-// The sum of a register's eight fp32 lanes.
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
-
 // Exact int32 sums of one int16 row with a block's int8 channels over packed steps
 // [s0, s1): per channel, one vector of partial sums (lanes) with AVX-512 BW or AVX2
 // (vpmaddwd on 32 or 16 pairs), one integer without.
