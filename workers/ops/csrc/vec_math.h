@@ -47,8 +47,35 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for 8 floats, as the AVX-512 exp_ps below computes it; 2^n is built in the
+// exponent bits (n + 127) << 23, which for x in [-87, 88] stays a normal float.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
 
+// Lane t of the result is the sum of v[t]'s 8 lanes (an 8x8 transpose folded into adds).
+inline __m256 transpose_sum8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  // b0: v0..v3's sums over lanes 0-3 in its low half, over lanes 4-7 in its high half.
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20),
+                       _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+#endif
+
+#if defined(__AVX512F__)
 // exp(x) for 16 floats: 2^n * e^f with |f| <= ln2/2 and a degree-7 Taylor polynomial
 // for e^f (relative error below 1e-8 before rounding); x is clamped to [-87, 88], where
 // float's exp neither underflows to denormals nor overflows.
