@@ -232,6 +232,36 @@ class _SparseRow:
         return self.state.summaries[:, :, :self.middle.shape[0]]
 
 
+class _Placement:
+    """Where the device-resident rows' selected middle blocks go in the step's tables, so
+    that a layer writes all of them in one indexed copy instead of a few ops per row.
+
+    A row's selection [KVH, w] (w = min(k, M)) indexes its middle [M, r]; the rows'
+    selections side by side, [KVH, sum w], plus ``offset`` index the rows' middles
+    stacked (``middle``), and ``dest`` holds each of those pool blocks' flat position in
+    the tables [rows, KVH, width]: head h, the row's table from column ``first``.
+    """
+
+    def __init__(self, rows: list[_SparseRow], tables: torch.Tensor) -> None:
+        self.rows = rows
+        dev = tables.device
+        _, kvh, width = tables.shape
+        r = rows[0].middle.shape[1]
+        self.middle = torch.cat([sr.middle for sr in rows]).to(dev)
+        sizes = [sr.middle.shape[0] for sr in rows]
+        widths = [min(sr.top_k, m) for sr, m in zip(rows, sizes)]
+        starts = torch.tensor([0, *sizes[:-1]]).cumsum(0)
+        self.offset = torch.repeat_interleave(starts, torch.tensor(widths)).to(dev)
+        heads = torch.arange(kvh)[:, None]
+        self.dest = torch.cat([(sr.row * kvh + heads) * width + sr.first + torch.arange(w * r)
+                               for sr, w in zip(rows, widths)], dim=1).to(dev)
+
+    def write(self, layer: int, tables: torch.Tensor) -> None:
+        chosen = torch.cat([sr.state.selections[layer] for sr in self.rows], dim=1)
+        blocks = self.middle[chosen + self.offset]             # [KVH, sum w, r]
+        tables.view(-1)[self.dest] = blocks.flatten(1)
+
+
 class SparseStep:
     """What the model calls around each layer's attention in one forward pass.
 
@@ -252,10 +282,13 @@ class SparseStep:
         self.meta = meta
         if any(st is not None and st.mode is not KVMode.DENSE for st, _ in decodes):
             self.meta = self._layout(decodes, meta)
-        # What every layer's selection reads, made once a step.
+        # What every layer's selection reads and writes, made once a step.
         self.row_ids = torch.as_tensor([sr.row for sr in self.rows],
                                        device=meta.decode_block_tables.device)
-        self.scoring_rows = [sr.scoring_rows for sr in self.rows]
+        self.layer_rows = [sr.scoring_rows.unbind(0) for sr in self.rows]
+        device_rows = [sr for sr in self.rows if sr.state.mode is not KVMode.OFFLOAD]
+        self.placement = (_Placement(device_rows, self.meta.decode_head_tables)
+                          if device_rows else None)
 
     def _layout(self, decodes: list[tuple[SeqTierState | None, int]],
                 meta: AttentionMetadata) -> AttentionMetadata:
@@ -311,13 +344,12 @@ class SparseStep:
         """The step's metadata with this layer's selected blocks in the sparse rows."""
         self._select(layer, q)
         tables = self.meta.decode_head_tables
+        if self.placement is not None:
+            self.placement.write(layer, tables)
         for sr in self.rows:
-            chosen = sr.state.selections[layer]
             if sr.state.mode is KVMode.OFFLOAD:
-                picked = self._recall(layer, sr, chosen, kv_cache)
-            else:
-                picked = sr.middle[chosen].flatten(1)
-            tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
+                picked = self._recall(layer, sr, sr.state.selections[layer], kv_cache)
+                tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
         return self.meta
 
     def _select(self, layer: int, q: torch.Tensor) -> None:
@@ -330,11 +362,12 @@ class SparseStep:
         if not due:
             return
         if len(due) == len(self.rows):   # every row, as with reselect_every 1
-            queries, rows = q.index_select(0, self.row_ids), self.scoring_rows
+            queries = q.index_select(0, self.row_ids)
+            rows = [r[layer] for r in self.layer_rows]
         else:
             queries = q[torch.as_tensor([sr.row for sr in due], device=q.device)]
-            rows = [sr.scoring_rows for sr in due]
-        chosen = o.selector.select(queries, [r[layer] for r in rows], [sr.top_k for sr in due])
+            rows = [sr.scoring_rows[layer] for sr in due]
+        chosen = o.selector.select(queries, rows, [sr.top_k for sr in due])
         for sr, c in zip(due, chosen):
             sr.state.selections[layer] = c
         o.stats.selections += len(due)
