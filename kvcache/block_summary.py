@@ -21,7 +21,7 @@ group are combined by taking the best head's score: a block matters if it matter
 any head that reads it.
 
 A sequence's retrieval-block summaries are scored in their *scoring rows* layout
-[KVH, M, S * D] (``scoring_rows``): every kind's score is then one batched product of
+[KVH, M, S * (D + 2)], int8 (``scoring_rows``): every kind's score is then one batched product of
 the query's parts (``query_parts``) with the rows, which each decode step runs per layer
 and sequence. Three products in einsum's layout took as long as the step's sparse
 attention itself (benchmarks/RESULTS.md).
@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from kvcache.kv_quant import dequantize_rows
+from kvcache.kv_quant import dequantize_rows, quantize_rows
 
 _WIDTHS = {"mean": 1, "minmax": 2, "hybrid": 3}
 
@@ -79,22 +79,26 @@ def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Te
 
 
 def scoring_rows(summaries: torch.Tensor) -> torch.Tensor:
-    """Summaries [..., M, S, KVH, D] as ``score`` reads them: [..., KVH, M, S * D], in fp16.
+    """Summaries [..., M, S, KVH, D] as ``score`` reads them: [..., KVH, M, S * (D + 2)]
+    int8, each vector a ``kv_quant`` row (its D values, then its fp16 scale).
 
     A decode step reads every middle block's row in every layer, and at a small budget
-    those reads cost as much as attending the selected tokens; fp16 halves them. The
-    bounds are rounded outward (lo down, hi up), so ``minmax`` still bounds every key's
-    logit; the mean rounds to nearest."""
+    those reads cost as much as attending the selected tokens; int8 rows are a quarter of
+    fp32's bytes. The bounds round outward (lo down, hi up), so ``minmax`` still bounds
+    every key's logit; the mean rounds to nearest."""
     *lead, m, s, kvh, d = summaries.shape
+    rounding = (torch.floor, torch.ceil, torch.round) if s > 1 else (torch.round,)
+    rows = torch.stack([quantize_rows(v, r) for v, r in zip(summaries.unbind(-3), rounding)],
+                       dim=-3)
     n = len(lead)
-    half = summaries.half()
-    if s > 1:   # lo, hi lead (summary_width)
-        down = torch.tensor(float("-inf"), dtype=half.dtype, device=half.device)
-        for i, toward in ((0, down), (1, -down)):
-            v, exact = half[..., i, :, :], summaries[..., i, :, :]
-            wrong = v.float() < exact if i else v.float() > exact
-            half[..., i, :, :] = torch.where(wrong, torch.nextafter(v, toward), v)
-    return half.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, s * d)
+    return rows.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, s * (d + 2))
+
+
+def row_vectors(rows: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scoring rows [..., S * (D + 2)] int8 as the fp32 vectors they hold, [..., S * D]."""
+    *lead, width = rows.shape
+    s = summary_width(kind)
+    return dequantize_rows(rows.reshape(*lead, s, width // s), torch.float32).reshape(*lead, -1)
 
 
 def query_parts(query: torch.Tensor, kvh: int, kind: str) -> torch.Tensor:
@@ -110,10 +114,10 @@ def query_parts(query: torch.Tensor, kvh: int, kind: str) -> torch.Tensor:
 
 
 def score(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """Scores [KVH, M] of retrieval blocks (``rows`` [KVH, M, S * D], ``scoring_rows``)
+    """Scores [KVH, M] of retrieval blocks (``rows`` [KVH, M, S * (D + 2)], ``scoring_rows``)
     for one token's query heads ``query`` [H, D]; higher means more attention expected."""
     parts = query_parts(query, rows.shape[0], kind)
-    return torch.bmm(parts, rows.float().transpose(1, 2)).amax(1)
+    return torch.bmm(parts, row_vectors(rows, kind).transpose(1, 2)).amax(1)
 
 
 class BlockSelector(Protocol):
@@ -125,7 +129,7 @@ class BlockSelector(Protocol):
     def select(self, queries: torch.Tensor, rows: Sequence[torch.Tensor],
                ks: Sequence[int]) -> list[torch.Tensor]:
         """Per row i: indices [KVH, min(ks[i], M_i)] (ascending per head) into the M_i
-        blocks of ``rows[i]`` [KVH, M_i, S * D] (``scoring_rows``), for the query heads
+        blocks of ``rows[i]`` [KVH, M_i, S * (D + 2)] (``scoring_rows``), for the query heads
         ``queries[i]`` [H, D]."""
         ...
 

@@ -27,13 +27,20 @@ def value_width(row: int, dtype: torch.dtype) -> int:
     return row - SCALE_BYTES if dtype == torch.int8 else row
 
 
-def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` [..., head_dim] as int8 rows [..., head_dim + 2] (values, then scale)."""
+def quantize_rows(x: torch.Tensor, rounding=torch.round) -> torch.Tensor:
+    """``x`` [..., head_dim] as int8 rows [..., head_dim + 2] (values, then scale).
+
+    ``rounding`` ``torch.floor`` or ``torch.ceil`` instead rounds every value down or up,
+    so the row dequantizes to a lower or upper bound of ``x`` (block summaries' bounds);
+    the scale is then rounded up to fp16, so that no value needs the clamp."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax)).half()
+    if rounding is not torch.round:
+        up = torch.nextafter(scale, torch.tensor(float("inf"), dtype=scale.dtype))
+        scale = torch.where(scale.float() * _QMAX < amax, up, scale)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # below fp16's range
-    q = torch.round(xf / scale.float()).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    q = rounding(xf / scale.float()).clamp_(-_QMAX, _QMAX).to(torch.int8)
     return torch.cat([q, scale.contiguous().view(torch.int8)], dim=-1)
 
 

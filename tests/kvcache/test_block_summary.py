@@ -1,12 +1,20 @@
 """Block scores against logits computed key by key: the mean summary scores the mean
-logit, the min/max bound is at least every key's logit and reached when one key takes
-each channel's extreme, hybrid is their sum, and pool summaries combine into exactly
-the summary of a retrieval block's keys."""
+logit, the min/max bound is at least every key's logit and, when one key takes each
+channel's extreme, that key's logit (both within the int8 scoring rows' rounding), hybrid
+is their sum, and pool summaries combine into exactly the summary of a retrieval
+block's keys."""
 
 import pytest
 import torch
 
-from kvcache.block_summary import ExactSelector, combine, score, scoring_rows, summarize
+from kvcache.block_summary import (
+    ExactSelector,
+    combine,
+    row_vectors,
+    score,
+    scoring_rows,
+    summarize,
+)
 from kvcache.long_context import SUMMARY_KINDS
 
 M, BS, KVH, G, D = 6, 8, 2, 3, 16
@@ -22,39 +30,54 @@ def _logits(keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hgd,mthd->hgmt", query.view(KVH, G, D), keys)
 
 
+def _step(vectors: torch.Tensor) -> torch.Tensor:
+    """The int8 step of each vector [..., D] in a scoring row: its max |value| / 127, as
+    an fp16 scale (rounded up by at most 2^-10)."""
+    return vectors.abs().amax(-1) / 127 * (1 + 2.0 ** -10)
+
+
+def _error(query: torch.Tensor, step: torch.Tensor, steps: float) -> torch.Tensor:
+    """[KVH, M]: what ``steps`` int8 steps ``step`` [M, KVH] in every channel can move the
+    best query head's score: steps * step * sum_d |q_d|."""
+    q_abs = query.view(KVH, G, D).abs().sum(-1)                     # [KVH, G]
+    return (steps * q_abs[:, :, None] * step.t()[:, None, :]).amax(1) + 1e-5
+
+
 def test_scores_against_key_by_key_logits():
-    """The rows are fp16: with fp16-exact keys the bounds are stored exactly; the mean key
-    is rounded, by at most half an ulp (2^-11 of each value), which bounds its score's
-    error by 2^-11 * sum_d |q_d * mean_d|."""
+    """Scores from int8 rows: the mean logit within half a step of the mean key's channels
+    (round to nearest), the bound at least every key's logit (rounded outward) and within
+    a step of it; hybrid their sum."""
     keys, query = _case()
-    keys = keys.half().float()
     counts = torch.full((M,), BS)
     logits = _logits(keys, query)
-    rounding = 2.0 ** -11 * torch.einsum("hgd,mhd->hgm", query.view(KVH, G, D).abs(),
-                                         keys.mean(1).abs()).amax(1) + 1e-5
+    mean_err = _error(query, _step(keys.mean(1)), 0.5)
     mean = score(query, scoring_rows(summarize(keys, counts, "mean")), "mean")
-    assert ((mean - logits.mean(-1).amax(1)).abs() <= rounding).all()
+    assert ((mean - logits.mean(-1).amax(1)).abs() <= mean_err).all()
     bound = score(query, scoring_rows(summarize(keys, counts, "minmax")), "minmax")
     assert (bound >= logits.amax(-1).amax(1) - 1e-5).all()
-    # A block whose keys all equal one vector: the bound is that key's logit.
+    bound_err = _error(query, torch.maximum(_step(keys.amin(1)), _step(keys.amax(1))), 1.0)
+    exact_bound = bound_per_head(query, keys).amax(1)
+    assert ((bound - exact_bound).abs() <= bound_err).all()
+    # A block whose keys all equal one vector: the bound is that key's logit, up to a step.
     same = keys[:, :1].expand(-1, BS, -1, -1)
-    torch.testing.assert_close(score(query, scoring_rows(summarize(same, counts, "minmax")),
-                                     "minmax"),
-                               _logits(same, query)[..., 0].amax(1))
+    same_bound = score(query, scoring_rows(summarize(same, counts, "minmax")), "minmax")
+    same_logit = _logits(same, query)[..., 0].amax(1)
+    assert (same_bound >= same_logit - 1e-5).all()
+    assert (same_bound - same_logit <= _error(query, _step(keys[:, 0]), 1.0)).all()
     hybrid = score(query, scoring_rows(summarize(keys, counts, "hybrid")), "hybrid")
     per_head = bound_per_head(query, keys) + logits.mean(-1)
-    assert ((hybrid - per_head.amax(1)).abs() <= rounding).all()
+    assert ((hybrid - per_head.amax(1)).abs() <= bound_err + mean_err).all()
 
 
 def test_bounds_round_outward():
-    """Keys fp16 cannot hold: the stored lo is at most, hi at least, every key's channel,
-    so the bound stays an upper bound on each key's logit."""
+    """The stored lo is at most, hi at least, every key's channel, so the bound stays an
+    upper bound on each key's logit."""
     keys, query = _case(4)
     rows = scoring_rows(summarize(keys, torch.full((M,), BS), "minmax"))
-    lo, hi = rows.float().view(KVH, M, 2, D).unbind(2)
+    lo, hi = row_vectors(rows, "minmax").view(KVH, M, 2, D).unbind(2)
     assert (lo <= keys.amin(1).permute(1, 0, 2)).all()
     assert (hi >= keys.amax(1).permute(1, 0, 2)).all()
-    assert (lo < keys.amin(1).permute(1, 0, 2)).any()   # fp16 did round some of them
+    assert (lo < keys.amin(1).permute(1, 0, 2)).any()   # int8 did round some of them
     assert (score(query, rows, "minmax") >= _logits(keys, query).amax(-1).amax(1)).all()
 
 

@@ -1,16 +1,16 @@
 """The CPU kernel's block selection (``CpuBlockSelector``) against float64 scores taken
-from the summaries' definitions: for every row and KV head it takes a top k (no block it
-left scores above the lowest it took, beyond fp32 rounding), ascending; k at or above
-the block count takes every block in order; equal scores take the lower block; a NaN
-query still gets valid blocks. Rows of different sizes, strided views (as a sequence's
-summaries are) and each summary kind."""
+from the summaries' definitions, over the vectors its int8 scoring rows hold: for every
+row and KV head it takes a top k (no block it left scores above the lowest it took,
+beyond fp32 rounding), ascending; k at or above the block count takes every block in
+order; equal scores take the lower block; a NaN query still gets valid blocks. Rows of
+different sizes, strided views (as a sequence's summaries are) and each summary kind."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcache.block_summary import scoring_rows
+from kvcache.block_summary import row_vectors, scoring_rows, summary_width
 from kvcache.long_context import SUMMARY_KINDS
 from workers.ops.cpu_kernels import CpuBlockSelector, load_cpu_kernels
 
@@ -21,29 +21,27 @@ KVH, G, D = 3, 3, 64
 
 
 def summaries(m: int, kind: str, g: torch.Generator, kvh: int = KVH, d: int = D) -> torch.Tensor:
-    """Random summaries [M, S, KVH, D] of ``kind``: bounds with lo <= hi, a mean; values
-    fp16 holds exactly, so the fp16 scoring rows are these summaries."""
-    a, b = torch.randn(2, m, kvh, d, generator=g).half().float()
+    """Random summaries [M, S, KVH, D] of ``kind``: bounds with lo <= hi, a mean."""
+    a, b = torch.randn(2, m, kvh, d, generator=g)
     vectors = {"mean": [a], "minmax": [torch.minimum(a, b), torch.maximum(a, b)],
-               "hybrid": [torch.minimum(a, b), torch.maximum(a, b),
-                          ((a + b) / 2).half().float()]}[kind]
+               "hybrid": [torch.minimum(a, b), torch.maximum(a, b), (a + b) / 2]}[kind]
     return torch.stack(vectors, dim=1)
 
 
-def exact_scores(query: torch.Tensor, summ: torch.Tensor, kind: str) -> torch.Tensor:
-    """[KVH, M] float64: the best of each KV head's query heads, by definition."""
-    kvh, d = summ.shape[2:]
-    q = query.double().view(kvh, -1, 1, d)
-    s = summ.double().permute(2, 0, 1, 3)[:, None]                 # [KVH, 1, M, S, D]
-    mean = (q * s[..., -1, :]).sum(-1)
-    bound = torch.maximum(q * s[..., 0, :], q * s[..., 1, :]).sum(-1) if kind != "mean" else 0
+def exact_scores(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
+    """[KVH, M] float64 from the vectors ``rows`` hold: the best of each KV head's query
+    heads, by definition."""
+    kvh, m, _ = rows.shape
+    v = row_vectors(rows, kind).double().view(kvh, 1, m, summary_width(kind), -1)
+    q = query.double().view(kvh, -1, 1, v.shape[-1])                # [KVH, G, 1, D]
+    mean = (q * v[..., -1, :]).sum(-1)
+    bound = torch.maximum(q * v[..., 0, :], q * v[..., 1, :]).sum(-1) if kind != "mean" else 0
     return {"mean": mean, "minmax": bound, "hybrid": bound + mean}[kind].amax(1)
 
 
 def strided(rows: torch.Tensor) -> torch.Tensor:
     """``rows`` [KVH, M, W] as a view into a longer buffer, as ``SeqTierState`` holds them."""
-    buf = torch.full((rows.shape[0], rows.shape[1] + 7, rows.shape[2]), float("nan"),
-                     dtype=rows.dtype)
+    buf = torch.full((rows.shape[0], rows.shape[1] + 7, rows.shape[2]), 99, dtype=rows.dtype)
     buf[:, :rows.shape[1]] = rows
     return buf[:, :rows.shape[1]]
 
@@ -58,16 +56,16 @@ SHAPES = [(KVH, G, D), (2, 4, 24), (1, 9, 20)]
 def test_each_row_gets_a_top_k_of_the_exact_scores(kind, kvh, group, d):
     g = torch.Generator().manual_seed(SUMMARY_KINDS.index(kind))
     sizes, ks = [56, 5, 300, 56], [8, 9, 40, 56]
-    summ = [summaries(m, kind, g, kvh, d) for m in sizes]
+    rows = [scoring_rows(summaries(m, kind, g, kvh, d)) for m in sizes]
     queries = torch.randn(len(sizes), kvh * group, d, generator=g)
-    chosen = CpuBlockSelector(kind).select(queries, [strided(scoring_rows(s)) for s in summ], ks)
-    for q, s, k, got in zip(queries, summ, ks, chosen):
-        m = s.shape[0]
+    chosen = CpuBlockSelector(kind).select(queries, [strided(r) for r in rows], ks)
+    for q, r, k, got in zip(queries, rows, ks, chosen):
+        m = r.shape[1]
         assert got.dtype == torch.int64 and got.shape == (kvh, min(k, m))
         if k >= m:
             assert torch.equal(got, torch.arange(m).expand(kvh, -1))
             continue
-        exact = exact_scores(q, s, kind)
+        exact = exact_scores(q, r, kind)
         for head, picked in enumerate(got):
             assert (picked.diff() > 0).all()
             left = torch.ones(m, dtype=torch.bool)
@@ -76,15 +74,15 @@ def test_each_row_gets_a_top_k_of_the_exact_scores(kind, kvh, group, d):
 
 
 def test_equal_scores_take_the_lower_blocks():
-    rows = torch.zeros(KVH, 10, 3 * D, dtype=torch.float16)
-    rows[:, 6] = 1.0   # one block above the rest, the others tied at 0
-    got, = CpuBlockSelector("hybrid").select(torch.ones(1, KVH * G, D), [rows], [3])
+    summ = torch.zeros(10, 3, KVH, D)
+    summ[6] = 1.0   # one block above the rest, the others tied at 0
+    got, = CpuBlockSelector("hybrid").select(torch.ones(1, KVH * G, D), [scoring_rows(summ)], [3])
     assert torch.equal(got, torch.tensor([0, 1, 6]).expand(KVH, -1))
 
 
 def test_a_nan_query_gets_valid_blocks():
     """NaN scores rank last instead of breaking the partial sort's order."""
-    rows = torch.randn(KVH, 40, 3 * D, generator=torch.Generator().manual_seed(7)).half()
+    rows = scoring_rows(summaries(40, "hybrid", torch.Generator().manual_seed(7)))
     query = torch.randn(1, KVH * G, D)
     query[0, :G, 5] = float("nan")   # every query head of KV head 0
     got, = CpuBlockSelector("hybrid").select(query, [rows], [6])

@@ -3,8 +3,8 @@
 // ops (the query's parts, a batched product, the max over the GQA group, top-k, a sort):
 // 100 us a row and layer at decode sizes on a 2-core EPYC, as long as attending its 2K
 // selected tokens took (benchmarks/RESULTS.md). Here each (row, KV head) is one pass over
-// its scoring rows and a partial sort. The rows are fp16 (kvcache/block_summary.py's
-// scoring_rows), widened here. Registered under torch.ops.llm_cluster.
+// its scoring rows and a partial sort. The rows are int8 with a scale per vector
+// (kvcache/block_summary.py's scoring_rows), widened here. Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -55,10 +56,11 @@ void top_k(const float* scores, int64_t m, int64_t k, int64_t* out) {
   std::copy(idx.begin(), idx.begin() + k, out);
 }
 
-// One (row, KV head) of a selection: its fp16 scoring rows, one every `block_stride`
-// values, and its group's query parts [group, width].
+// One (row, KV head) of a selection: its int8 scoring rows, one every `block_stride`
+// bytes, each `vectors` kv_quant rows of `dim` values and a 2-byte fp16 scale; and its
+// group's query parts [group, vectors * dim].
 struct Task {
-  const at::Half* rows;
+  const int8_t* rows;
   int64_t block_stride, group, row, head;
   const float* parts;
 };
@@ -66,57 +68,82 @@ struct Task {
 // A block's score from its group's best head; NaN ranks last (a strict order for the sort).
 inline float rank_score(float best) { return std::isnan(best) ? -INFINITY : best; }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-inline __m256 widen8(const at::Half* x) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+// The fp16 scale that follows a vector's `dim` int8 values.
+inline float vector_scale(const int8_t* vector, int64_t dim) {
+  at::Half scale;
+  std::memcpy(&scale, vector + dim, sizeof(scale));
+  return static_cast<float>(scale);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 widen8(const int8_t* x) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
 
 // Scores of blocks [first, first + count) of a task whose group has G heads and whose
-// width is a multiple of 8: each 8 widened values feed every head, two running sums a
-// head (one sum would wait on its own adds, and a dot product per head would widen and
-// reduce G times), so a block costs ~width * G / 16 FMA cycles.
+// vectors' sizes are multiples of 8: each 8 widened values feed every head, two running
+// sums a head and vector (one sum would wait on its own adds), the vector's scale applied
+// to its sums once.
 template <int G>
-void score_group(const Task& task, int64_t first, int64_t count, int64_t width, float* out) {
+void score_group(const Task& task, int64_t first, int64_t count, int64_t vectors, int64_t dim,
+                 float* out) {
+  const int64_t width = vectors * dim;
   for (int64_t b = 0; b < count; ++b) {
-    const at::Half* x = task.rows + (first + b) * task.block_stride;
-    __m256 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
-    int64_t w = 0;
-    for (; w + 16 <= width; w += 16) {
-      const __m256 x0 = widen8(x + w), x1 = widen8(x + w + 8);
-      for (int g = 0; g < G; ++g) {
-        const float* p = task.parts + g * width + w;
-        acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[g][0]);
-        acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), x1, acc[g][1]);
+    const int8_t* row = task.rows + (first + b) * task.block_stride;
+    __m256 total[G];
+    for (int g = 0; g < G; ++g) total[g] = _mm256_setzero_ps();
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int8_t* x = row + v * (dim + 2);
+      const float* parts = task.parts + v * dim;
+      __m256 acc[G][2];
+      for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+      int64_t w = 0;
+      for (; w + 16 <= dim; w += 16) {
+        const __m256 x0 = widen8(x + w), x1 = widen8(x + w + 8);
+        for (int g = 0; g < G; ++g) {
+          const float* p = parts + g * width + w;
+          acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(p), x0, acc[g][0]);
+          acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(p + 8), x1, acc[g][1]);
+        }
       }
-    }
-    if (w < width) {   // the last 8
-      const __m256 x0 = widen8(x + w);
+      if (w < dim) {   // the last 8
+        const __m256 x0 = widen8(x + w);
+        for (int g = 0; g < G; ++g)
+          acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(parts + g * width + w), x0, acc[g][0]);
+      }
+      const __m256 scale = _mm256_set1_ps(vector_scale(x, dim));
       for (int g = 0; g < G; ++g)
-        acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(task.parts + g * width + w), x0, acc[g][0]);
+        total[g] = _mm256_fmadd_ps(_mm256_add_ps(acc[g][0], acc[g][1]), scale, total[g]);
     }
     float best = -INFINITY;
-    for (int g = 0; g < G; ++g) best = std::max(best, sum8(_mm256_add_ps(acc[g][0], acc[g][1])));
+    for (int g = 0; g < G; ++g) best = std::max(best, sum8(total[g]));
     out[b] = rank_score(best);
   }
 }
 
-using ScoreFn = void (*)(const Task&, int64_t, int64_t, int64_t, float*);
+using ScoreFn = void (*)(const Task&, int64_t, int64_t, int64_t, int64_t, float*);
 constexpr ScoreFn kScoreGroup[] = {nullptr,         score_group<1>, score_group<2>,
                                    score_group<3>, score_group<4>, score_group<5>,
                                    score_group<6>, score_group<7>, score_group<8>};
 #endif
 
 // Scores of blocks [first, first + count) of `task`, each its group's best head.
-void score_blocks(const Task& task, int64_t first, int64_t count, int64_t width, float* out) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (width % 8 == 0 && task.group <= 8)
-    return kScoreGroup[task.group](task, first, count, width, out);
+void score_blocks(const Task& task, int64_t first, int64_t count, int64_t vectors,
+                  int64_t dim, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 8 == 0 && task.group <= 8)
+    return kScoreGroup[task.group](task, first, count, vectors, dim, out);
 #endif
-  std::vector<float> x(width);
+  const int64_t width = vectors * dim;
+  std::vector<float> x(width);   // the row's vectors, dequantized
   for (int64_t b = 0; b < count; ++b) {
-    const at::Half* row = task.rows + (first + b) * task.block_stride;
-    for (int64_t w = 0; w < width; ++w) x[w] = static_cast<float>(row[w]);
+    const int8_t* row = task.rows + (first + b) * task.block_stride;
+    for (int64_t v = 0; v < vectors; ++v) {
+      const int8_t* xv = row + v * (dim + 2);
+      const float scale = vector_scale(xv, dim);
+      for (int64_t w = 0; w < dim; ++w) x[v * dim + w] = static_cast<float>(xv[w]) * scale;
+    }
     float best = -INFINITY;
     for (int64_t g = 0; g < task.group; ++g)
       best = std::max(best, dot(task.parts + g * width, x.data(), width));
@@ -124,8 +151,8 @@ void score_blocks(const Task& task, int64_t first, int64_t count, int64_t width,
   }
 }
 
-// Per row r: indices [KVH, min(k_r, M_r)] of the blocks of rows[r] [KVH, M_r, S * D] (an
-// fp16 scoring-row view; its last dimension contiguous) that score highest for queries[r]
+// Per row r: indices [KVH, min(k_r, M_r)] of the blocks of rows[r] [KVH, M_r, S * (D + 2)]
+// (an int8 scoring-row view; its last dimension contiguous) that score highest for queries[r]
 // [H, D]: a block's score is the best of the KV head's group of query heads. Scoring is
 // split over the threads by blocks, not by (row, KV head): at batch 1 three KV heads on
 // two threads would leave one thread reading two heads' rows while the other idles.
@@ -147,9 +174,10 @@ std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList 
   auto parts = at::empty({n, heads, width}, queries.options());
   for (int64_t r = 0; r < n; ++r) {
     const at::Tensor& row = rows[r];
-    TORCH_CHECK(row.scalar_type() == at::kHalf && row.dim() == 3 && row.size(2) == width &&
-                    row.stride(2) == 1 && row.size(0) > 0 && heads % row.size(0) == 0,
-                "select_blocks: each rows tensor must be float16 [KVH, M, S * D] with a "
+    TORCH_CHECK(row.scalar_type() == at::kChar && row.dim() == 3 &&
+                    row.size(2) == kVectors[kind] * (dim + 2) && row.stride(2) == 1 &&
+                    row.size(0) > 0 && heads % row.size(0) == 0,
+                "select_blocks: each rows tensor must be int8 [KVH, M, S * (D + 2)] with a "
                 "contiguous last dimension and KVH dividing the query heads");
     TORCH_CHECK(ks[r] > 0, "select_blocks: k must be positive");
     out[r] = at::empty({row.size(0), std::min(ks[r], row.size(1))},
@@ -158,20 +186,21 @@ std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList 
     query_parts(queries.data_ptr<float>() + r * heads * dim, heads, dim, kind, row_parts);
     const int64_t group = heads / row.size(0);
     for (int64_t h = 0; h < row.size(0); ++h) {
-      tasks.push_back({row.data_ptr<at::Half>() + h * row.stride(0), row.stride(1), group, r,
+      tasks.push_back({row.data_ptr<int8_t>() + h * row.stride(0), row.stride(1), group, r,
                        h, row_parts + h * group * width});
       first_score.push_back(first_score.back() + row.size(1));
     }
   }
   std::vector<float> scores(first_score.back());
-  // Below a few hundred blocks (~15 ns each), waking a thread costs more than it saves.
+  // Below a few hundred blocks (~20 ns each), waking a thread costs more than it saves.
   constexpr int64_t kBlocksPerThread = 256;
   at::parallel_for(0, first_score.back(), kBlocksPerThread, [&](int64_t begin, int64_t end) {
     int64_t t = std::upper_bound(first_score.begin(), first_score.end(), begin) -
                 first_score.begin() - 1;
     while (begin < end) {
       const int64_t stop = std::min(end, first_score[t + 1]);
-      score_blocks(tasks[t], begin - first_score[t], stop - begin, width, scores.data() + begin);
+      score_blocks(tasks[t], begin - first_score[t], stop - begin, kVectors[kind], dim,
+                   scores.data() + begin);
       begin = stop;
       ++t;
     }
