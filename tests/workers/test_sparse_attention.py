@@ -83,6 +83,24 @@ def test_full_budget_is_bit_identical_to_dense(tiny_long_factory, arch, kv_dtype
             assert stats.offloaded_blocks > 0 and stats.recalled_blocks > 0
 
 
+@pytest.mark.slow
+def test_reused_selections_keep_the_full_budget_bit_identical(tiny_long_factory):
+    """With ``reselect_every`` 3 a row reuses its last selection two steps in three while
+    its middle keeps its size: far fewer selections run, and the tables laid out from the
+    reused ones (written for all device rows at once, or recalled in offload mode) still
+    give dense's logits at the full budget."""
+    path = tiny_long_factory("llama").path
+    dense_tokens, dense_rows = generate(make_llm(path, None))
+    selections = {}
+    for every in (1, 3):
+        llm = make_llm(path, {**REGIONS, "top_k_percent": 1.0, "reselect_every": every})
+        tokens, rows = generate(llm)
+        assert tokens == dense_tokens
+        assert all(torch.equal(row, dense_rows[context]) for context, row in rows.items())
+        selections[every] = llm.engine.runner.long_context.stats.selections
+    assert 0 < selections[3] < 0.6 * selections[1]
+
+
 def test_small_budget_attends_fewer_blocks_and_differs(tiny_long_factory):
     """A 20% budget recalls only part of the middle, so the logits move (the sparse path
     is really taken), while the tokens of a dense-only prompt stay dense's."""
