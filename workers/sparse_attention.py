@@ -286,6 +286,7 @@ class SparseStep:
         self.row_ids = torch.as_tensor([sr.row for sr in self.rows],
                                        device=meta.decode_block_tables.device)
         self.layer_rows = [sr.scoring_rows.unbind(0) for sr in self.rows]
+        self.offloaded = [sr for sr in self.rows if sr.state.mode is KVMode.OFFLOAD]
         device_rows = [sr for sr in self.rows if sr.state.mode is not KVMode.OFFLOAD]
         self.placement = (_Placement(device_rows, self.meta.decode_head_tables)
                           if device_rows else None)
@@ -346,10 +347,9 @@ class SparseStep:
         tables = self.meta.decode_head_tables
         if self.placement is not None:
             self.placement.write(layer, tables)
-        for sr in self.rows:
-            if sr.state.mode is KVMode.OFFLOAD:
-                picked = self._recall(layer, sr, sr.state.selections[layer], kv_cache)
-                tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
+        for sr in self.offloaded:
+            picked = self._recall(layer, sr, sr.state.selections[layer], kv_cache)
+            tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
         return self.meta
 
     def _select(self, layer: int, q: torch.Tensor) -> None:

@@ -2,13 +2,13 @@
 // for all of a layer's sparse rows in one call. In torch a row's selection is about ten
 // ops (the query's parts, a batched product, the max over the GQA group, top-k, a sort):
 // 100 us a row and layer at decode sizes on a 2-core EPYC, as long as attending its 2K
-// selected tokens took (benchmarks/RESULTS.md). Here each (row, KV head) is one pass over
-// its scoring rows and a partial sort. The rows are int8 with a scale per vector
-// (kvcache/block_summary.py's scoring_rows), widened here. Registered under torch.ops.llm_cluster.
+// selected tokens took (benchmarks/RESULTS.md). Here the blocks of every (row, KV head)
+// are scored in one pass over their int8 scoring rows (kvcache/block_summary.py's
+// scoring_rows), split over the threads by blocks, then each (row, KV head) takes a
+// partial sort. Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
 
 #include <algorithm>
 #include <cmath>

@@ -8,9 +8,10 @@
 // Speed comes from three choices: the head size is a compile-time constant for the
 // common sizes (64, 128), so a dot product or an update of one head row is a few
 // unrolled vector instructions (AVX-512, or AVX2 + FMA, whose exp and 8-row sums
-// vec_math.h holds: without them a token cost ~300 cycles a head on a Zen 3, 3x this); fp16/bf16 keys and values are widened to fp32 one
-// block at a time with vector conversions (F16C / AVX-512 for fp16, shifts for bf16), never
-// element by element through at::Half; and every query head of a GQA group reuses
+// vec_math.h holds: without them a token cost ~300 cycles a head on a Zen 3, 3x this);
+// fp16/bf16 keys and values are widened to fp32 one block at a time with vector
+// conversions (F16C / AVX-512 for fp16, shifts for bf16), never element by element
+// through at::Half; and every query head of a GQA group reuses
 // each key and value row while it is in cache. An int8 cache row is head_dim int8
 // values followed by the row's fp16 scale (2 bytes); it is widened to value * scale.
 #include <ATen/ATen.h>

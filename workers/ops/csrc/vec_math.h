@@ -47,18 +47,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// exp(x) as exp_ps computes it, for 8 (AVX2) or 16 (AVX-512) floats: 2^n * e^f with
+// |f| <= ln2/2 and a degree-7 Taylor polynomial for e^f (relative error below 1e-8 before
+// rounding); x is clamped to [kExpMin, kExpMax], where float's exp neither underflows to
+// denormals nor overflows. ln2 is split in two (kLn2Hi + kLn2Lo) so f loses no bits.
+constexpr float kExpMin = -87.0f, kExpMax = 88.0f, kLog2e = 1.44269504f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.f / 5040, 1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f,
+                              1.f, 1.f};   // highest power first
+
 #if defined(__AVX2__) && defined(__FMA__)
-// exp(x) for 8 floats, as the AVX-512 exp_ps below computes it; 2^n is built in the
-// exponent bits (n + 127) << 23, which for x in [-87, 88] stays a normal float.
+// 2^n is built in the exponent bits (n + 127) << 23, a normal float for x in range.
 inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpMin)), _mm256_set1_ps(kExpMax));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExpPoly[i]));
   const __m256i two_n = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
@@ -76,18 +83,14 @@ inline __m256 transpose_sum8(const __m256* v) {
 #endif
 
 #if defined(__AVX512F__)
-// exp(x) for 16 floats: 2^n * e^f with |f| <= ln2/2 and a degree-7 Taylor polynomial
-// for e^f (relative error below 1e-8 before rounding); x is clamped to [-87, 88], where
-// float's exp neither underflows to denormals nor overflows.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(kExpMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (const float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), f);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_scalef_ps(p, n);
 }
 #endif
