@@ -161,7 +161,7 @@ def run(dtype_name: str, token_counts: list[int], repeats: int,
     rows = []
     for tokens in token_counts:
         n = tokens // BLOCK_SIZE
-        reps = max(repeats, 8192 // tokens)
+        reps = max(repeats, 32768 // tokens)
         src_ids = block_ids(ids, pool_blocks, n, g)
         dst_ids = block_ids(ids, pool_blocks, n, g)
         nbytes = n * shape.bytes_per_block

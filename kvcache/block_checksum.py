@@ -123,6 +123,9 @@ class BlockChecksums:
         self._slabs = slabs
         self._sums = np.zeros(slabs.shape[1], dtype=np.uint64)
         self._valid = np.zeros(slabs.shape[1], dtype=bool)
+        # (first layer, layer count, layout) of the pool a transport last found this
+        # store to be of; the layer tensor is held, so its identity cannot be reused
+        self.checked_pool: tuple[object, int, object] | None = None
 
     @property
     def slabs(self) -> np.ndarray:

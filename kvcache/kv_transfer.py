@@ -292,8 +292,8 @@ def _check_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta) -> None:
 
 def _check_token_counts(counts: np.ndarray, block_size: int,
                         error: type[ValueError] = ValueError) -> None:
-    bad = np.flatnonzero((counts < 1) | (counts > block_size))
-    if bad.size:
+    if counts.size and (counts.min() < 1 or counts.max() > block_size):
+        bad = np.flatnonzero((counts < 1) | (counts > block_size))
         raise error(f"num_tokens[{bad[0]}]: got {counts[bad[0]]}; expected 1..{block_size}")
 
 

@@ -3,6 +3,8 @@ sender refused or survived cleanly, and the choice of transport per pair of work
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import math
 import os
 import signal
@@ -172,6 +174,21 @@ def test_a_pool_with_another_pools_checksums_or_layout_is_a_local_error():
     assert_untouched(dst, before)
 
 
+def test_a_store_checked_once_still_refuses_another_pool_or_layout():
+    """The pool check is remembered per store after it passes; the memory must not let
+    another pool, a pool of fewer layers, or another layout through with that store."""
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 4, seed=17)
+    _, other = shared_pool(meta, 4, seed=18)
+    store = pool_checksums(src)
+    export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle, store)
+    bf16 = make_meta(torch.bfloat16)
+    for pool, layout in ((other, meta), (src[:-1], meta), (src, bf16)):
+        with pytest.raises(ValueError, match="kv_caches: .*expected"):
+            export_shared(pool, [0, 1], *seq_blocks(layout, 2), layout, seg.handle, store)
+    export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle, store)
+
+
 _SENDER = textwrap.dedent("""
     import sys, time
     import numpy as np, torch
@@ -259,6 +276,21 @@ def test_segment_is_zeroed_prefaulted_and_mapped_by_a_peer_read_only():
     assert mapped[12345] == 7
     with pytest.raises(TypeError):
         mapped[0] = 1
+
+
+def test_without_pidfds_a_mapping_checks_its_owner_by_path(monkeypatch):
+    """Kernels before 5.3 have no pidfd_open: the owner's /proc fd path and inode decide."""
+    def no_pidfd(pid: int) -> int:
+        raise OSError(errno.ENOSYS, "pidfd_open")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    seg = SharedSegment(1 << 20)
+    peers = PeerSegments()
+    peers.map(seg.handle)
+    mapping = peers._maps[seg.handle]
+    assert mapping.owner is None and mapping.owner_alive()
+    mapping.handle = dataclasses.replace(seg.handle, inode=seg.handle.inode + 1)
+    assert not mapping.owner_alive()
 
 
 def _free_huge_pages() -> int:
