@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import crc32c
 import numpy as np
 
-from kvcache.native_copy import native_copier
+from kvcache.native_copy import COPIED, native_copier
 
 _COPY_THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
                                    thread_name_prefix="kv-copy")
@@ -42,36 +42,47 @@ def block_checksums(slabs: np.ndarray, blocks: Sequence[int]) -> np.ndarray:
                        count=len(blocks))
 
 
+class BlockIdError(ValueError):
+    """Block ids a copy refused before moving any byte: outside their pool, or a
+    destination named twice. ``side`` says which: ``source`` or ``destination``."""
+
+    def __init__(self, side: str, detail: str) -> None:
+        super().__init__(f"copy_verified {side} blocks: {detail}")
+        self.side = side
+
+
 def copy_verified(src: np.ndarray, src_blocks: Sequence[int], dst: np.ndarray,
                   dst_blocks: Sequence[int], checksums: np.ndarray,
                   threads: int = 1) -> int | None:
     """Copy each source block to its destination block, taking its checksum on the way;
     returns the index of a block whose copy does not match its checksum, else None.
-    ``dst`` may be left holding part of the copy whatever the outcome.
+    ``dst`` may then hold part of the copy. Ids outside their pool, or a destination
+    named twice, raise ``BlockIdError`` before any byte moves.
 
-    ``threads`` threads take a share of the blocks each. The native copy computes the
-    CRC from the words it moves, without the GIL, on OpenMP's threads, in ascending
-    source order, a slab of every block of its share before the next slab (near-
-    sequential reads in a pool of 4 KB pages; a mismatch shows once its share is
+    ``threads`` threads take a share of the blocks each. The native copy checks the ids,
+    computes the CRC from the words it moves, without the GIL, on OpenMP's threads, in
+    ascending source order, a slab of every block of its share before the next slab
+    (near-sequential reads in a pool of 4 KB pages; a mismatch shows once its share is
     copied). Without it, numpy copies each block (no GIL) on a thread pool and the
     ``crc32c`` package hashes the copy while it is in cache, and a mismatch stops the
     copying soon after.
     """
     n = len(src_blocks)
-    src_ids = _block_ids(src_blocks, src.shape[1], "source")
-    dst_ids = _block_ids(dst_blocks, dst.shape[1], "destination")
-    if src.shape[::2] != dst.shape[::2] or len(dst_ids) != n or len(checksums) != n:
-        raise ValueError(f"copy_verified: {n} source blocks of {src.shape}, {len(dst_ids)} "
+    if src.shape[::2] != dst.shape[::2] or len(dst_blocks) != n or len(checksums) != n:
+        raise ValueError(f"copy_verified: {n} source blocks of {src.shape}, {len(dst_blocks)} "
                          f"destination blocks of {dst.shape}, {len(checksums)} checksums; "
                          "expected one of each per block, slabs of one shape")
+    src_ids = np.ascontiguousarray(src_blocks, dtype=np.int64)
+    dst_ids = np.ascontiguousarray(dst_blocks, dtype=np.int64)
     expected = np.ascontiguousarray(checksums, dtype=np.uint64)
     native = native_copier()
     if native is not None:
-        order = np.argsort(src_ids, kind="stable")
-        bad = native.copy_blocks(src, np.ascontiguousarray(src_ids[order]), dst,
-                                 np.ascontiguousarray(dst_ids[order]),
-                                 np.ascontiguousarray(expected[order]), threads)
-        return None if bad is None else int(order[bad])
+        got = native.copy_blocks(src, src_ids, dst, dst_ids, expected, threads)
+        if got < COPIED:   # refused: say why in numpy's words
+            _check_ids(src_ids, src.shape[1], dst_ids, dst.shape[1])
+            raise AssertionError(f"copy_blocks refused ids ({got}) that _check_ids accepts")
+        return None if got == COPIED else got
+    _check_ids(src_ids, src.shape[1], dst_ids, dst.shape[1])
     stop = threading.Event()
 
     def share(first: int, end: int) -> int | None:
@@ -96,12 +107,13 @@ def _in_shares(share: Callable[[int, int], int | None], n: int, threads: int) ->
     return min((b for b in bad if b is not None), default=None)
 
 
-def _block_ids(blocks: Sequence[int], pool_blocks: int, side: str) -> np.ndarray:
-    ids = np.ascontiguousarray(blocks, dtype=np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= pool_blocks):
-        raise ValueError(f"copy_verified {side} blocks: got {ids.min()}..{ids.max()}; "
-                         f"expected ids in [0, {pool_blocks})")
-    return ids
+def _check_ids(src_ids: np.ndarray, src_pool: int, dst_ids: np.ndarray, dst_pool: int) -> None:
+    """``BlockIdError`` unless every id names a block of its pool and no destination repeats."""
+    for side, ids, pool in (("source", src_ids, src_pool), ("destination", dst_ids, dst_pool)):
+        if ids.size and (ids.min() < 0 or ids.max() >= pool):
+            raise BlockIdError(side, f"got {ids.min()}..{ids.max()}; expected ids in [0, {pool})")
+    if dst_ids.size and np.bincount(dst_ids).max() > 1:
+        raise BlockIdError("destination", f"got {dst_ids.tolist()}; expected distinct ids")
 
 
 class BlockChecksums:

@@ -36,7 +36,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from kvcache.block_checksum import BlockChecksums, copy_verified
+from kvcache.block_checksum import BlockChecksums, BlockIdError, copy_verified
 from kvcache.kv_transfer import (
     _WIRE,
     HostRows,
@@ -47,7 +47,6 @@ from kvcache.kv_transfer import (
     _read_only_tensor,
     _tensor_column,
     _values_view,
-    check_destination,
     check_metadata,
 )
 from kvcache.pool_rows import pool_slabs
@@ -157,8 +156,8 @@ def describe(transport: Transport, meta: KVLayoutMeta, block_hashes: Sequence[by
     if len(block_hashes) != n or len(token_counts) != n:
         raise ValueError(f"KV description: {n} blocks, {len(block_hashes)} hashes and "
                          f"{len(token_counts)} token counts; expected one of each per block")
+    _check_token_counts(token_counts, meta.block_size)
     counts = np.asarray(token_counts, dtype=np.int32)
-    _check_token_counts(counts, meta.block_size)
     hashes = list(block_hashes)
     columns = [("block_hash", pa.binary()), ("num_tokens", pa.int32()), ("checksum", pa.uint64())]
     arrays = [pa.array(hashes, type=pa.binary()), pa.array(counts), pa.array(checksums)]
@@ -221,7 +220,7 @@ def read_description(batch: pa.RecordBatch, expected_meta: KVLayoutMeta,
     if received.get(b"digest") != digest.encode():
         raise KVTransferError(f"KV description digest: received {received.get(b'digest')!r}, "
                               f"computed {digest!r}: corrupted in transfer")
-    _check_token_counts(d.counts, expected_meta.block_size, error=KVTransferError)
+    _check_token_counts(d.counts.tolist(), expected_meta.block_size, error=KVTransferError)
     return d
 
 
@@ -250,11 +249,6 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     if src is None:
         raise KVTransferError("KV description: no src_block column; expected the columns "
                               "export_shared writes")
-    if src.size and (src.min() < 0 or src.max() >= src_blocks):
-        raise KVTransferError(f"KV description src_block: got {src.min()}..{src.max()}; "
-                              f"expected ids in [0, {src_blocks})")
-    ids = check_destination(kv_caches, dst_block_ids)
-
     slab_bytes = dst.shape[2]
     need = dst.shape[0] * src_blocks * slab_bytes
     if need > segment.nbytes:
@@ -266,24 +260,32 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         raise KVTransferError(str(e)) from e
     source = np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(dst.shape[0],
                                                                        src_blocks, slab_bytes)
+    ids = np.asarray(dst_block_ids, dtype=np.int64)   # the copy checks them, and src's
     h0 = host.first_row if host else batch.num_rows
     pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows] if host else np.s_[:]
     threads = torch.get_num_threads()
-    checksums.written(ids)   # from here on they hold part of a copy until it is verified
-    bad = copy_verified(source, src[pool_rows], dst, ids, sums[pool_rows], threads)
-    if bad is not None and host:
-        bad = int(pool_rows[bad])
-    elif host:
-        host_bytes = host.kv.view(torch.uint8).numpy().reshape(dst.shape[0], -1, slab_bytes)
-        rows = np.arange(h0, h0 + num_host)
-        bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
-                            threads)
-        bad = None if bad is None else int(rows[bad])
+    try:
+        bad = copy_verified(source, src[pool_rows], dst, ids, sums[pool_rows], threads)
+        if bad is not None:
+            checksums.written(ids)   # they hold part of a copy
+            bad = int(pool_rows[bad]) if host else bad
+        else:
+            checksums.stored(ids, sums[pool_rows])   # each verified as it landed
+            if host:
+                host_bytes = host.kv.view(torch.uint8).numpy().reshape(dst.shape[0], -1,
+                                                                       slab_bytes)
+                rows = np.arange(h0, h0 + num_host)
+                bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
+                                    threads)
+                bad = None if bad is None else int(rows[bad])
+    except BlockIdError as e:   # raised before that copy moved a byte
+        if e.side == "destination":
+            raise   # our own ids: a local bug, not a transfer to recompute
+        raise KVTransferError(f"KV description src_block: {e} (the sender's pool)") from e
     if bad is not None:
         raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
                               f"match checksum {sums[bad]:#018x}: corrupted or "
                               "overwritten in the sender's pool")
-    checksums.stored(ids, sums[pool_rows])
     return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
 
 

@@ -34,6 +34,9 @@ _SOURCE = Path(__file__).with_name("csrc") / "copy_crc32c.c"
 _FLAGS = ("-O3", "-msse4.2", "-fopenmp", "-shared", "-fPIC")
 _CHECK = (b"123456789", 0xE3069283)   # CRC32C's published check value
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
+_INT64, _UINT64 = np.dtype(np.int64), np.dtype(np.uint64)
+# kv_copy_blocks_crc32c's outcomes other than a mismatching row (the C file's KV_*)
+COPIED, BAD_SOURCE, BAD_DESTINATION, REPEATED_DESTINATION, NO_MEMORY = -1, -2, -3, -4, -5
 
 
 class NativeCopier:
@@ -47,8 +50,7 @@ class NativeCopier:
                                                                     ctypes.c_uint32]
         self._blocks = lib.kv_copy_blocks_crc32c
         self._blocks.restype = _I64
-        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64,
-                                 ctypes.c_int]
+        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int]
 
     @property
     def avx2(self) -> bool:
@@ -78,19 +80,23 @@ class NativeCopier:
         return self._copy(dst.ctypes.data, src.ctypes.data, src.nbytes, crc)
 
     def copy_blocks(self, src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray,
-                    dst_ids: np.ndarray, expected: np.ndarray, threads: int) -> int | None:
-        """A verified copy between ``(slabs, blocks, slab_bytes)`` pools (ids int64, in
-        range, checked by the caller; fastest in ascending ``src_ids``) on ``threads``
-        threads: the first row whose CRC32C is not ``expected``'s (uint64), else None."""
-        if not (src.flags.c_contiguous and dst.flags.c_contiguous):
+                    dst_ids: np.ndarray, expected: np.ndarray, threads: int) -> int:
+        """A verified copy between ``(slabs, blocks, slab_bytes)`` pools (ids int64,
+        checksums uint64, one per row) on ``threads`` threads: ``COPIED``, a row whose
+        CRC32C is not ``expected``'s, or one of the refusals (``BAD_SOURCE``,
+        ``BAD_DESTINATION``, ``REPEATED_DESTINATION``: nothing was copied)."""
+        arrays = (src, dst, src_ids, dst_ids, expected)
+        if not all(a.flags.c_contiguous for a in arrays) or (
+                (src_ids.dtype, dst_ids.dtype, expected.dtype) != (_INT64, _INT64, _UINT64)):
             raise ValueError("copy_blocks: expected C-contiguous (slabs, blocks, slab_bytes) "
-                             "pools, as _slab_bytes gives")
-        regs = np.empty(len(src_ids), dtype=np.uint32)
-        bad = self._blocks(dst.ctypes.data, dst.shape[1], dst_ids.ctypes.data,
+                             "pools, as _slab_bytes gives, int64 ids and uint64 checksums")
+        got = self._blocks(dst.ctypes.data, dst.shape[1], dst_ids.ctypes.data,
                            src.ctypes.data, src.shape[1], src_ids.ctypes.data,
-                           expected.ctypes.data, regs.ctypes.data, src.shape[0],
-                           src.shape[2], len(src_ids), threads)
-        return None if bad < 0 else int(bad)
+                           expected.ctypes.data, src.shape[0], src.shape[2], len(src_ids),
+                           threads)
+        if got == NO_MEMORY:
+            raise MemoryError(f"copy_blocks: no memory for the order of {len(src_ids)} blocks")
+        return got
 
 
 @functools.cache

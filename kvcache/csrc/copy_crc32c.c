@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MIN_LANE 64   /* shorter runs take one lane: the joins would cost more */
@@ -206,9 +207,52 @@ static int64_t copy_share(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *
     return -1;
 }
 
-/* The n blocks in `threads` consecutive shares (copy_share), one per OpenMP thread;
- * regs holds n running CRCs. Returns the least i whose copy does not match, or -1 (a
- * mismatch stops the other shares early, so the copy may be left partial).
+/* Outcomes other than a row: every copy matched, or the ids were refused before any
+ * byte moved (a source or destination id outside its pool, a destination named twice). */
+#define KV_COPY_OK -1
+#define KV_BAD_SOURCE -2
+#define KV_BAD_DESTINATION -3
+#define KV_REPEATED_DESTINATION -4
+#define KV_NO_MEMORY -5
+
+static int64_t check_ids(const int64_t *src_ids, int64_t src_pool_blocks, const int64_t *dst_ids,
+                         int64_t dst_pool_blocks, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (src_ids[i] < 0 || src_ids[i] >= src_pool_blocks)
+            return KV_BAD_SOURCE;
+    for (int64_t i = 0; i < n; i++)
+        if (dst_ids[i] < 0 || dst_ids[i] >= dst_pool_blocks)
+            return KV_BAD_DESTINATION;
+    uint64_t *seen = calloc((size_t)(dst_pool_blocks + 63) / 64, sizeof *seen);
+    if (seen == NULL)
+        return KV_NO_MEMORY;
+    int64_t status = 0;
+    for (int64_t i = 0; i < n && status == 0; i++) {
+        uint64_t bit = 1ull << (dst_ids[i] & 63), *word = &seen[dst_ids[i] >> 6];
+        status = (*word & bit) ? KV_REPEATED_DESTINATION : 0;
+        *word |= bit;
+    }
+    free(seen);
+    return status;
+}
+
+typedef struct {
+    int64_t src, row;
+} by_src_t;
+
+static int compare_src(const void *a, const void *b) {
+    int64_t x = ((const by_src_t *)a)->src, y = ((const by_src_t *)b)->src;
+    return (x > y) - (x < y);
+}
+
+/* Copy blocks src_ids[i] -> dst_ids[i] (i < n) of pools laid out as (slabs, pool blocks,
+ * slab_bytes), checking each block's CRC32C against expected[i]. The ids are checked
+ * first (a refusal: KV_BAD_SOURCE, KV_BAD_DESTINATION, KV_REPEATED_DESTINATION, with no
+ * byte moved); the blocks are then taken in ascending source order (copy_share) in
+ * `threads` consecutive shares, one per OpenMP thread. Returns KV_COPY_OK, or a row whose
+ * copy does not match (a mismatch stops the other shares early, so the copy may be left
+ * partial). Checking and sorting here rather than in the caller saves a handoff a dozen
+ * numpy calls, each tens of microseconds on the cold caches a large copy leaves.
  *
  * The shares run on OpenMP's threads rather than a thread pool of the caller's because
  * this library shares torch's OpenMP runtime (native_copy.py loads torch first): after
@@ -218,22 +262,47 @@ static int64_t copy_share(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *
  * torch's OpenMP team, already awake, 83-113%. */
 int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
                               const uint8_t *src, int64_t src_pool_blocks,
-                              const int64_t *src_ids, const uint64_t *expected,
-                              uint32_t *regs, int64_t slabs, int64_t slab_bytes, int64_t n,
-                              int threads) {
-    int stop = 0;
+                              const int64_t *src_ids, const uint64_t *expected, int64_t slabs,
+                              int64_t slab_bytes, int64_t n, int threads) {
+    int64_t status = check_ids(src_ids, src_pool_blocks, dst_ids, dst_pool_blocks, n);
+    if (status != 0 || n == 0)
+        return status != 0 ? status : KV_COPY_OK;
+    by_src_t *order = malloc((size_t)n * sizeof *order);
+    int64_t *ids = malloc((size_t)n * 2 * sizeof *ids);
+    uint64_t *sums = malloc((size_t)n * sizeof *sums);
+    uint32_t *regs = malloc((size_t)n * sizeof *regs);
     int64_t bad = INT64_MAX;
+    if (order == NULL || ids == NULL || sums == NULL || regs == NULL) {
+        bad = KV_NO_MEMORY;
+        goto done;
+    }
+    for (int64_t i = 0; i < n; i++)
+        order[i] = (by_src_t){src_ids[i], i};
+    qsort(order, (size_t)n, sizeof *order, compare_src);
+    int64_t *s_ids = ids, *d_ids = ids + n;
+    for (int64_t j = 0; j < n; j++) {
+        s_ids[j] = order[j].src;
+        d_ids[j] = dst_ids[order[j].row];
+        sums[j] = expected[order[j].row];
+    }
+    int stop = 0;
     if (threads > n)
-        threads = n > 0 ? (int)n : 1;
+        threads = (int)n;
     if (threads < 1)
         threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(min : bad)
     for (int t = 0; t < threads; t++) {
-        int64_t b = copy_share(dst, dst_pool_blocks, dst_ids, src, src_pool_blocks, src_ids,
-                               expected, regs, slabs, slab_bytes, n * t / threads,
+        int64_t b = copy_share(dst, dst_pool_blocks, d_ids, src, src_pool_blocks, s_ids, sums,
+                               regs, slabs, slab_bytes, n * t / threads,
                                n * (t + 1) / threads, &stop);
         if (b >= 0)
             bad = b;
     }
-    return bad == INT64_MAX ? -1 : bad;
+    bad = bad == INT64_MAX ? KV_COPY_OK : order[bad].row;
+done:
+    free(order);
+    free(ids);
+    free(sums);
+    free(regs);
+    return bad;
 }

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import crc32c
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
+from kvcache import kv_transport
 from kvcache.block_checksum import block_checksum, copy_verified
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import HostRows, KVTransferError, export_blocks, from_ipc_buffer
@@ -137,6 +139,37 @@ def test_a_byte_flipped_in_the_senders_pool_after_export_is_refused(where, copy_
                                                rf"{src_ids[row]}\).*checksum"):
         import_shared(batch, dst, [3, 6, 0], meta, PeerSegments(), pool_checksums(dst))
     assert_blocks_equal(dst, others, before, others)
+
+
+def test_a_sender_block_outside_its_pool_is_a_transfer_error_a_repeated_destination_ours(
+        copy_path):
+    """A description naming a block the sender's pool does not have is refused as a
+    transfer (recomputed); our own repeated destination is a local ValueError. Neither
+    moves a byte or changes the pool's stored checksums."""
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 4, seed=19)
+    _, dst = shared_pool(meta, 4, seed=20)
+    store = pool_checksums(dst)
+    store.seal([0, 1, 2, 3])
+    sums = store.of([0, 1, 2, 3])
+    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle,
+                          pool_checksums(src))
+    columns = batch.columns
+    columns[batch.schema.get_field_index("src_block")] = pa.array([0, 4], pa.int32())
+    digest = kv_transport._digest(batch.column("num_tokens").to_numpy(),
+                                  batch.column("block_hash").to_pylist(),
+                                  batch.column("checksum").to_numpy(), None,
+                                  np.array([0, 4], dtype=np.int32))
+    forged = pa.RecordBatch.from_arrays(columns, schema=batch.schema.with_metadata(
+        {**batch.schema.metadata, b"digest": digest.encode()}))
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match=r"src_block: .*got 0..4; expected ids in \[0, 4\)"):
+        import_shared(forged, dst, [2, 3], meta, PeerSegments(), store)
+    with pytest.raises(ValueError, match="expected distinct ids") as refused:
+        import_shared(batch, dst, [3, 3], meta, PeerSegments(), store)
+    assert not isinstance(refused.value, KVTransferError)
+    assert_untouched(dst, before)
+    assert store.has([0, 1, 2, 3]).all() and (store.of([0, 1, 2, 3]) == sums).all()
 
 
 def test_a_description_for_another_pool_is_refused_untouched():
