@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -68,13 +67,6 @@ struct Task {
 // A block's score from its group's best head; NaN ranks last (a strict order for the sort).
 inline float rank_score(float best) { return std::isnan(best) ? -INFINITY : best; }
 
-// The fp16 scale that follows a vector's `dim` int8 values.
-inline float vector_scale(const int8_t* vector, int64_t dim) {
-  at::Half scale;
-  std::memcpy(&scale, vector + dim, sizeof(scale));
-  return static_cast<float>(scale);
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 widen8(const int8_t* x) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -112,7 +104,7 @@ void score_group(const Task& task, int64_t first, int64_t count, int64_t vectors
         for (int g = 0; g < G; ++g)
           acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(parts + g * width + w), x0, acc[g][0]);
       }
-      const __m256 scale = _mm256_set1_ps(vector_scale(x, dim));
+      const __m256 scale = _mm256_set1_ps(row_scale(x, dim));
       for (int g = 0; g < G; ++g)
         total[g] = _mm256_fmadd_ps(_mm256_add_ps(acc[g][0], acc[g][1]), scale, total[g]);
     }
@@ -139,11 +131,7 @@ void score_blocks(const Task& task, int64_t first, int64_t count, int64_t vector
   std::vector<float> x(width);   // the row's vectors, dequantized
   for (int64_t b = 0; b < count; ++b) {
     const int8_t* row = task.rows + (first + b) * task.block_stride;
-    for (int64_t v = 0; v < vectors; ++v) {
-      const int8_t* xv = row + v * (dim + 2);
-      const float scale = vector_scale(xv, dim);
-      for (int64_t w = 0; w < dim; ++w) x[v * dim + w] = static_cast<float>(xv[w]) * scale;
-    }
+    for (int64_t v = 0; v < vectors; ++v) widen(row + v * (dim + 2), x.data() + v * dim, dim);
     float best = -INFINITY;
     for (int64_t g = 0; g < task.group; ++g)
       best = std::max(best, dot(task.parts + g * width, x.data(), width));

@@ -32,6 +32,8 @@
 
 namespace {
 
+using ::widen;   // int8 rows (vec_math.h), beside the fp16 and bf16 overloads below
+
 // Widen n stored values to fp32. The stored types are read as raw bits.
 inline void widen(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -52,14 +54,6 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
-
-inline void widen(const int8_t* src, float* dst, int64_t n) {
-  at::Half half;
-  std::memcpy(&half, src + n, sizeof(half));
-  const float scale = static_cast<float>(half);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
 }
 
 // One block's n rows of a head as fp32 rows: read in place for fp32 (row stride

@@ -1,9 +1,12 @@
 // Vector math shared by the CPU kernels.
 #pragma once
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -26,6 +29,21 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// An int8 row as kvcache/kv_quant.py writes it (the int8 KV cache's rows, the block
+// summaries' scoring vectors): n int8 values, then the row's fp16 scale (2 bytes).
+inline float row_scale(const int8_t* row, int64_t n) {
+  c10::Half scale;
+  std::memcpy(&scale, row + n, sizeof(scale));
+  return static_cast<float>(scale);
+}
+
+// Such a row's n values as fp32: value * scale.
+inline void widen(const int8_t* src, float* dst, int64_t n) {
+  const float scale = row_scale(src, n);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
 
 // a . b over n floats, with four independent sums: one running sum would make every
 // step wait for the last one's add (a 24-step chain for a 192-wide scoring row).
