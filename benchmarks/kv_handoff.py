@@ -30,11 +30,13 @@ per page on its first use (``--cold-store`` skips this).
 With ``--gap``, it measures what a user sees instead: on a Ray cluster of 1 prefill + 1
 decode worker (the default model, one node, so the handoff takes shared memory), the time
 between the first and the second streamed token of a ``--gap-tokens`` prompt, against the
-decode worker's step time for that sequence; the handoff adds the difference.
+decode worker's step time for that sequence; the handoff adds the difference. It runs
+one cluster with ``cluster.prefix_push`` on (the prompt's finished chunks move while the
+rest prefills, so the handoff moves the last chunk) and one with it off.
 
     python benchmarks/kv_handoff.py [--tokens 512 2048 ... 65536] [--repeats 3] [--threads N]
                                     [--ids scattered|fresh] [--cold-store] [--json]
-    python benchmarks/kv_handoff.py --gap [--gap-tokens 8176] [--repeats 3]
+    python benchmarks/kv_handoff.py --gap [--gap-tokens 8176] [--repeats 3] [--gap-push on off]
 """
 
 from __future__ import annotations
@@ -203,16 +205,18 @@ async def token_times(engine, prompt: list[int], sp) -> list[float]:
     return times
 
 
-def first_token_gap(prompt_tokens: int, repeats: int) -> list[dict]:
+def first_token_gap(prompt_tokens: int, repeats: int, prefix_push: bool) -> list[dict]:
     """Per run: first -> second token gap, the decode worker's step time after the
-    handoff, and the handoff's own time and transport from the scheduler's stats."""
+    handoff, and the handoff's own time, bytes and transport from the scheduler's stats
+    (with ``prefix_push``, also the bytes pushed while the prompt prefilled)."""
     from cluster.cluster_engine import ClusterEngine
     from cluster.config import config_from_dict
     from scheduler.protocol import SamplingParams
 
-    engine = ClusterEngine(config_from_dict({"cluster": {"name": "bench-kv-gap", "pools": [
-        {"role": "prefill", "resources": {"CPU": 1}},
-        {"role": "decode", "resources": {"CPU": 1}}]}}))
+    engine = ClusterEngine(config_from_dict({"cluster": {
+        "name": "bench-kv-gap", "prefix_push": prefix_push, "pools": [
+            {"role": "prefill", "resources": {"CPU": 1}},
+            {"role": "decode", "resources": {"CPU": 1}}]}}))
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     runs = []
     try:
@@ -223,15 +227,19 @@ def first_token_gap(prompt_tokens: int, repeats: int) -> list[dict]:
             times = asyncio.run(token_times(engine, prompt, sp))
             after = engine.stats().workers
             sent = {k: getattr(after[0].kv_sent, k) - getattr(before[0].kv_sent, k)
-                    for k in ("count", "seconds", "bytes", "failures")}
+                    for k in ("count", "seconds", "bytes", "failures", "pushed_bytes",
+                              "push_failures")}
             steps = {k: getattr(after[1].step_times, k) - getattr(before[1].step_times, k)
                      for k in ("steps", "execute_s")}
             gaps = np.diff(times)
-            runs.append({"tokens": prompt_tokens, "first_gap_s": float(gaps[0]),
+            runs.append({"tokens": prompt_tokens, "prefix_push": prefix_push,
+                         "first_gap_s": float(gaps[0]),
                          "later_gap_s": float(np.median(gaps[1:])),
                          "decode_step_s": steps["execute_s"] / max(steps["steps"], 1),
                          "handoff_s": sent["seconds"], "handoff_MB": sent["bytes"] / 1e6,
                          "handoffs": sent["count"], "failures": sent["failures"],
+                         "pushed_MB": sent["pushed_bytes"] / 1e6,
+                         "push_failures": sent["push_failures"],
                          "transports": after[0].kv_sent.transports})
     finally:
         engine.shutdown()
@@ -281,13 +289,18 @@ def main() -> None:
                     help="measure the first -> second token gap on 1 prefill + 1 decode")
     ap.add_argument("--gap-tokens", type=int, default=8176,
                     help="its prompt (the default model's window is 8192 tokens)")
+    ap.add_argument("--gap-push", nargs="+", choices=("on", "off"), default=["on", "off"],
+                    help="cluster.prefix_push settings to measure, one cluster each")
     args = ap.parse_args()
     if args.gap:
-        runs = first_token_gap(args.gap_tokens, args.repeats)
+        runs = [r for push in args.gap_push for r in
+                first_token_gap(args.gap_tokens, args.repeats, push == "on")]
         print(json.dumps(runs, indent=2) if args.json else "\n".join(table(
-            ["prompt tokens", "1st -> 2nd token ms", "later gaps ms", "decode step ms",
-             "handoff ms", "MB", "transport", "added by the handoff, in decode steps"],
-            [[str(r["tokens"]), f"{1e3 * r['first_gap_s']:.1f}",
+            ["prompt tokens", "prefix push", "pushed MB", "1st -> 2nd token ms",
+             "later gaps ms", "decode step ms", "handoff ms", "MB", "transport",
+             "added by the handoff, in decode steps"],
+            [[str(r["tokens"]), "on" if r["prefix_push"] else "off", f"{r['pushed_MB']:.1f}",
+              f"{1e3 * r['first_gap_s']:.1f}",
               f"{1e3 * r['later_gap_s']:.1f}", f"{1e3 * r['decode_step_s']:.1f}",
               f"{1e3 * r['handoff_s']:.1f}", f"{r['handoff_MB']:.1f}",
               ", ".join(r["transports"]),

@@ -125,7 +125,8 @@ class ClusterEngine(ClusterClient):
         cell = CellConfig(cfg.scheduler, self.block_size, self.max_model_len,
                           self._eos_token_ids, cfg.cache.enable_prefix_caching,
                           cc.prefill_threshold, cc.max_prefill_queue_tokens, cc.max_waiting,
-                          cc.transfer_timeout_s, cfg.long_context)
+                          cc.transfer_timeout_s, cfg.long_context,
+                          prefix_push=cc.prefix_push)
 
         def create() -> Any:
             return scheduler_actor.launch(name, NAMESPACE, refs, cell)

@@ -178,7 +178,9 @@ class ClusterConfig:
     (None: prompts always wait for a prefill worker).
     ``max_waiting``: requests queued (not yet running) before submissions are refused
     as overloaded. ``transfer_timeout_s``: a KV handoff slower than this is abandoned
-    and the sequence recomputed. ``replace_backoff_s``: a dead worker is replaced after
+    and the sequence recomputed. ``prefix_push``: a long prompt's finished chunks move
+    to its decode worker while the rest prefills, so its handoff moves only the last
+    chunk. ``replace_backoff_s``: a dead worker is replaced after
     this long, doubled for each failure of its pool in a row (at most a minute).
     ``autoscale``: how pools with ``min_workers`` < ``max_workers`` grow and shrink.
     """
@@ -190,6 +192,7 @@ class ClusterConfig:
     max_prefill_queue_tokens: int | None = 512
     max_waiting: int = 1024
     transfer_timeout_s: float = 30.0
+    prefix_push: bool = True
     replace_backoff_s: float = 1.0
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 

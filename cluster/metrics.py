@@ -133,6 +133,10 @@ class _Snapshot:
              lambda w: w.kv_received.count),
             ("kv_transfer_failures", "KV handoffs a worker sent that failed.",
              lambda w: w.kv_sent.failures),
+            ("kv_pushes", "Pushes of a prefilling prompt's finished blocks a worker "
+             "received ahead of the handoff.", lambda w: w.kv_received.pushes),
+            ("kv_pushed_bytes", "KV bytes a worker received in pushes ahead of handoffs.",
+             lambda w: w.kv_received.pushed_bytes),
             ("num_preemptions", "Sequences a worker's batch preempted.",
              lambda w: w.num_preemptions)]
         yield from self._per_worker(workers, gauges, counters)

@@ -45,6 +45,8 @@ class CellConfig:
     worker, a prompt goes where it costs least (None: always to a prefill worker).
     ``max_waiting``: queued requests before submissions are refused as overloaded.
     ``transfer_timeout_s``: a slower KV handoff is abandoned and recomputed.
+    ``prefix_push``: a prompt's finished chunks move to its decode worker while the rest
+    prefills (``prefix_push``).
     ``client_lease_s``: a client that has not polled for this long is gone (its
     requests are aborted, see ``client_leases``).
     """
@@ -60,3 +62,4 @@ class CellConfig:
     transfer_timeout_s: float = 30.0
     long_context: LongContextConfig | None = None
     client_lease_s: float = 15.0
+    prefix_push: bool = True

@@ -31,6 +31,7 @@ from scheduler.cell_worker import CellWorker
 from scheduler.config import CellConfig
 from scheduler.handoff import Handoff, Outcome
 from scheduler.placement import decode_target, place_prompt
+from scheduler.prefix_push import PrefixPushes
 from scheduler.protocol import Role, SamplingParams, StepOutput, decode, encode
 from scheduler.request_book import Request, RequestBook, Updates
 from scheduler.sequence import SeqStatus, Sequence, SeqUpdate
@@ -65,6 +66,8 @@ class GlobalScheduler:
         self.num_migrated = 0
         self.pools: list[PoolReport] = []
         self._tasks: set[asyncio.Task] = set()
+        self.pushes = (PrefixPushes(config.block_size, config.transfer_timeout_s, self._spawn)
+                       if config.prefix_push else None)
 
     @property
     def requests(self) -> dict[str, Request]:
@@ -282,6 +285,8 @@ class GlobalScheduler:
                 for u in updates:   # a prompt's first token: its KV moves on
                     if u.new_token_ids and u.finish_reason is None and u.seq_id in w.batch.seqs:
                         self._start_handoff(w, w.batch.seqs[u.seq_id])
+                if self.pushes is not None:   # the rest may have finished chunks
+                    self.pushes.after_step(w, self.workers)
             t3 = time.perf_counter()
             w.reported_seqs = output.stats.num_seqs
             w.tier_stats = output.stats.tier or w.tier_stats
@@ -337,12 +342,17 @@ class GlobalScheduler:
         """Move a sequence to the decode worker with the most free blocks: a prefilled
         one, or (``migration``) one running on a draining worker.
 
-        Without a serving decode worker with room, the sequence decodes where it is. The
-        export is submitted here, before the source's next step, so it never waits
-        behind another prefill.
+        The worker holding its pushed blocks comes first (``prefix_push``). Without a
+        serving decode worker with room, the sequence decodes where it is. The export is
+        submitted here, before the source's next step, so it never waits behind another
+        prefill.
         """
-        dst = decode_target(self.workers, src)
-        handoff = Handoff.begin(src, dst, seq, self.config.block_size) if dst else None
+        holder = self.pushes.holder(seq) if self.pushes is not None else None
+        handoff = None
+        for dst in dict.fromkeys(w for w in (holder, decode_target(self.workers, src)) if w):
+            handoff = Handoff.begin(src, dst, seq, self.config.block_size)
+            if handoff is not None:
+                break
         if handoff is None:
             return
         self.requests[seq.request_id].worker = None

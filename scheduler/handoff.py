@@ -66,7 +66,7 @@ class Handoff:
             if middle else HostRows(0, [])
         src.batch.detach(seq.seq_id)
         count = len(fresh) + len(host.block_ids)
-        export = _export(src, dst, seq, len(cached), count, block_size) if count else None
+        export = submit_export(src, dst, seq, len(cached), count, block_size) if count else None
         src.outgoing += 1
         return cls(src, dst, seq, fresh, host, export)
 
@@ -115,19 +115,24 @@ class Handoff:
             self.dst.batch.tiers.release(self.seq.seq_id)
 
     async def _move(self) -> tuple[HandoffInfo, float]:
-        """Once the export is done, import it; (the export's info, when it was done)."""
         assert self.export is not None
-        info = await self.export.ready()
-        exported = time.perf_counter()
-        await self.dst.handle.import_kv(self.export, self.fresh, self.host.first_row,
-                                        self.host.block_ids)
-        return info, exported
+        return await move(self.export, self.dst, self.fresh, self.host)
 
 
-def _export(src: CellWorker, dst: CellWorker, seq: Sequence, first: int, count: int,
-            block_size: int) -> KVExport:
-    """Submit the export of ``count`` of the sequence's blocks from block ``first`` on,
-    through the transport the two workers share."""
+async def move(export: KVExport, dst: CellWorker, fresh: list[int],
+               host: HostRows) -> tuple[HandoffInfo, float]:
+    """Once ``export`` is done, import it into ``dst``'s ``fresh`` blocks (and ``host``
+    rows); (the export's info, when it was done)."""
+    info = await export.ready()
+    exported = time.perf_counter()
+    await dst.handle.import_kv(export, fresh, host.first_row, host.block_ids)
+    return info, exported
+
+
+def submit_export(src: CellWorker, dst: CellWorker, seq: Sequence, first: int, count: int,
+                  block_size: int) -> KVExport:
+    """Submit the export of ``count`` of the sequence's computed blocks from block
+    ``first`` on, through the transport the two workers share."""
     blocks = src.kv.block_ids(seq.seq_id)[first:first + count]
     hashes = src.kv.block_hashes(seq.seq_id)
     n = seq.num_computed_tokens

@@ -52,7 +52,9 @@ class LatencyWindow:
 @dataclass
 class TransferStats:
     """KV handoffs of one worker; ``seconds`` from the first token to the receiver's
-    acknowledgement, of which ``export_seconds`` until the sender's batch was ready."""
+    acknowledgement, of which ``export_seconds`` until the sender's batch was ready.
+    ``pushes``: blocks sent ahead of a handoff while the prompt still prefilled
+    (``scheduler.prefix_push``), counted apart from the handoffs."""
 
     count: int = 0
     bytes: int = 0
@@ -60,6 +62,10 @@ class TransferStats:
     export_seconds: float = 0.0
     failures: int = 0
     transports: dict[str, int] = field(default_factory=dict)   # handoffs per transport
+    pushes: int = 0
+    pushed_bytes: int = 0
+    push_seconds: float = 0.0
+    push_failures: int = 0
 
 
 @dataclass

@@ -107,7 +107,8 @@ def test_metrics_render_transports_migrations_pools_and_tiers():
                           num_waiting=1, worker_num_seqs=3, prefix_hit_rate=0.5,
                           step_times=StepTimes(steps=9),
                           kv_received=TransferStats(count=3, bytes=1024, seconds=0.25,
-                                                    transports={"shm": 2, "object_store": 1}))
+                                                    transports={"shm": 2, "object_store": 1},
+                                                    pushes=4, pushed_bytes=4096))
     pool = PoolReport(Role.DECODE, target=2, serving=1, pending=1, draining=0,
                       min_workers=1, max_workers=4, scale_ups=3, scale_downs=1)
     stats = CellStats([worker], num_requests=4, num_waiting=1, num_handoffs=0,
@@ -126,6 +127,8 @@ def test_metrics_render_transports_migrations_pools_and_tiers():
         assert got[("llm_cluster_kv_transfers_by_transport_total",
                     (*w[:2], ("transport", transport), w[2]))] == count
     assert got[("llm_cluster_worker_steps_total", w)] == 9
+    assert got[("llm_cluster_kv_pushes_total", w)] == 4
+    assert got[("llm_cluster_kv_pushed_bytes_total", w)] == 4096
     assert got[("llm_cluster_migrated_requests_total", m)] == 5
     assert got[("llm_cluster_recent_ttft_seconds", m)] == 0.5
     assert not any(name == "llm_cluster_recent_tpot_seconds" for name, _ in got)   # no data

@@ -79,7 +79,7 @@ def _worker(path: str, role: str, kv_dtype: str = "auto", node_id: str = "node-a
 
 
 def _scheduler(path: str, roles: list[str], kv_dtypes: dict[int, str] | None = None,
-               node_ids: dict[int, str] | None = None,
+               node_ids: dict[int, str] | None = None, batch: SchedulerConfig | None = None,
                **kw: Any) -> tuple[GlobalScheduler, list[LocalHandle]]:
     handles, refs = [], []
     for i, role in enumerate(roles):
@@ -90,8 +90,8 @@ def _scheduler(path: str, roles: list[str], kv_dtypes: dict[int, str] | None = N
         refs.append(WorkerRef(f"{role}-{i}", Role(role), handles[-1], info.num_blocks, 0,
                               info.place))
     info = handles[0].worker.info()
-    gs = GlobalScheduler(refs, CellConfig(SchedulerConfig(), 16, 512, info.eos_token_ids,
-                                          **kw))
+    gs = GlobalScheduler(refs, CellConfig(batch or SchedulerConfig(), 16, 512,
+                                          info.eos_token_ids, **kw))
     return gs, handles
 
 

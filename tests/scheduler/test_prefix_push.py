@@ -1,0 +1,135 @@
+"""Prefix pushes: a prompt prefilled in several chunks sends its finished blocks to the
+decode worker while it prefills, so its handoff moves only the last chunk's blocks.
+
+The same in-process workers and handles as ``test_global_scheduler``; chunks of 32
+tokens (2 blocks of 16) make a 100-token prompt a four-step prefill: 6 full blocks
+finish before the step that samples the first token, and the 7th holds its last 4
+tokens. Each prefill step takes 50 ms longer, as a real chunk takes longer than moving
+its blocks, so that every push lands before the next step ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from scheduler.config import SchedulerConfig
+from scheduler.stats import CellStats
+from tests.scheduler.test_global_scheduler import GREEDY, _finish, _prompt, _scheduler
+
+CHUNKED = SchedulerConfig(max_num_batched_tokens=32)
+PROMPTS = {"long": _prompt(3, 100), "short": _prompt(4, 20)}
+
+
+async def _run(path: str, roles: list[str], corrupt_first: bool = False,
+               prompts: dict[str, list[int]] = PROMPTS,
+               **kw) -> tuple[dict[str, list[int]], CellStats, int]:
+    """The requests' tokens, the cell's stats and the KV bytes of one pool block."""
+    gs, handles = _scheduler(path, roles, batch=CHUNKED, **kw)
+    step = handles[0].step
+
+    async def slow_step(plan: bytes) -> bytes:
+        out = await step(plan)
+        await asyncio.sleep(0.05)
+        return out
+
+    handles[0].step = slow_step
+    sender, receiver = handles[0].worker, handles[-1].worker
+    if corrupt_first:   # a byte flipped in the first push's first block while it moves
+        export, import_ = sender.export_kv, receiver.import_kv
+        flipped: list[int] = []
+
+        def flip(block: int) -> None:
+            sender.runner.kv_caches[0][0, block].view(torch.uint8).view(-1)[3] ^= 1
+
+        def export_then_corrupt(block_ids, *args):
+            out = export(block_ids, *args)
+            if not flipped:
+                flipped.append(block_ids[0])
+                flip(block_ids[0])
+            return out
+
+        def import_then_restore(*args):
+            try:
+                return import_(*args)
+            finally:
+                if len(flipped) == 1:
+                    flip(flipped.pop())
+                    flipped.append(-1)
+
+        sender.export_kv, receiver.import_kv = export_then_corrupt, import_then_restore
+    await gs.start()
+    for rid, p in prompts.items():
+        await gs.submit(rid, p, GREEDY)
+    out = await _finish(gs, list(prompts))
+    stats = await gs.stats()
+    await gs.shutdown()
+    return out, stats, sender.runner.kv_shape.bytes_per_block
+
+
+def test_a_chunked_prompt_pushes_its_finished_blocks_and_hands_off_the_rest(tiny_factory):
+    path = tiny_factory("llama").path
+
+    async def main() -> None:
+        alone, _, _ = await _run(path, ["mixed"])
+        out, stats, block_bytes = await _run(path, ["prefill", "decode"])
+        assert out == alone
+        sent, received = stats.workers[0].kv_sent, stats.workers[1].kv_received
+        # Pushes after steps 1-3 send 2 blocks each; the handoffs take the 7th and the
+        # short prompt's 2 blocks (one prefill step, no push).
+        assert (sent.pushes, sent.pushed_bytes) == (3, 6 * block_bytes)
+        assert (received.pushes, received.pushed_bytes) == (3, 6 * block_bytes)
+        assert (sent.count, sent.bytes) == (2, 3 * block_bytes)
+        assert sent.failures == sent.push_failures == 0
+        assert stats.workers[1].prefix_hit_rate > 0   # the handoff found the pushed blocks
+        assert all(w.num_used_blocks == 0 for w in stats.workers)
+
+        off, off_stats, _ = await _run(path, ["prefill", "decode"], prefix_push=False)
+        assert off == alone
+        sent = off_stats.workers[0].kv_sent
+        assert sent.pushes == 0 and (sent.count, sent.bytes) == (2, 9 * block_bytes)
+
+    asyncio.run(main())
+
+
+def test_a_corrupted_push_is_refused_and_its_blocks_go_with_the_handoff(tiny_factory):
+    """A byte flipped in the sender's pool between the first push's export and its
+    import fails that push's checksum: nothing of it is committed on the decode side,
+    the next push sends those blocks again, and the text is the clean run's."""
+    path = tiny_factory("llama").path
+
+    async def main() -> None:
+        alone, _, _ = await _run(path, ["mixed"])
+        out, stats, block_bytes = await _run(path, ["prefill", "decode"], corrupt_first=True)
+        sent = stats.workers[0].kv_sent
+        # Push 1 (blocks 0-1) refused; push 2 sends blocks 0-3, push 3 blocks 4-5.
+        assert (sent.push_failures, sent.pushes, sent.pushed_bytes) == (1, 2, 6 * block_bytes)
+        assert (sent.failures, sent.bytes, stats.num_recovered) == (0, 3 * block_bytes, 0)
+        assert all(w.num_used_blocks == 0 for w in stats.workers)
+        assert out == alone
+
+    asyncio.run(main())
+
+
+def test_the_handoff_goes_to_the_worker_holding_the_pushed_blocks(tiny_factory):
+    """Two decode workers: the short prompt, handed off first, takes blocks on decode-1,
+    so the long prompt's pushes go to decode-2 (more free blocks). By the long prompt's
+    first token the short one is done and both have as many free blocks, which alone
+    would pick decode-1; the handoff goes to decode-2, where its pushed blocks are."""
+    path = tiny_factory("llama").path
+    prompts = {"short": PROMPTS["short"], "long": PROMPTS["long"]}
+
+    async def main() -> None:
+        alone, _, _ = await _run(path, ["mixed"], prompts=prompts)
+        out, stats, block_bytes = await _run(path, ["prefill", "decode", "decode"],
+                                             prompts=prompts)
+        assert out == alone
+        d1, d2 = (w.kv_received for w in stats.workers[1:])
+        # The long prompt's chunks: 12 tokens beside the short prompt, then 32, 32, 24;
+        # pushes after steps 2 and 3 send blocks 0-3, its handoff blocks 4-6.
+        assert (d1.count, d1.bytes, d1.pushes) == (1, 2 * block_bytes, 0)
+        assert (d2.pushes, d2.pushed_bytes) == (2, 4 * block_bytes)
+        assert (d2.count, d2.bytes) == (1, 3 * block_bytes)
+
+    asyncio.run(main())
