@@ -23,6 +23,7 @@ import crc32c
 import numpy as np
 
 from kvcache.native_copy import COPIED, native_copier
+from kvcache.pool_rows import block_id_fault
 
 _COPY_THREADS = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
                                    thread_name_prefix="kv-copy")
@@ -109,11 +110,11 @@ def _in_shares(share: Callable[[int, int], int | None], n: int, threads: int) ->
 
 def _check_ids(src_ids: np.ndarray, src_pool: int, dst_ids: np.ndarray, dst_pool: int) -> None:
     """``BlockIdError`` unless every id names a block of its pool and no destination repeats."""
-    for side, ids, pool in (("source", src_ids, src_pool), ("destination", dst_ids, dst_pool)):
-        if ids.size and (ids.min() < 0 or ids.max() >= pool):
-            raise BlockIdError(side, f"got {ids.min()}..{ids.max()}; expected ids in [0, {pool})")
-    if dst_ids.size and np.bincount(dst_ids).max() > 1:
-        raise BlockIdError("destination", f"got {dst_ids.tolist()}; expected distinct ids")
+    for side, ids, pool, distinct in (("source", src_ids, src_pool, False),
+                                      ("destination", dst_ids, dst_pool, True)):
+        fault = block_id_fault(ids, pool, distinct)
+        if fault is not None:
+            raise BlockIdError(side, fault)
 
 
 class BlockChecksums:

@@ -37,7 +37,7 @@ import torch
 
 from kvcache.kv_layout import LAYOUTS, block_shape, convert_blocks
 from kvcache.kv_tensors import KVShape
-from kvcache.pool_rows import HostRows, gather_rows, place_rows
+from kvcache.pool_rows import HostRows, block_id_fault, gather_rows, place_rows
 
 FORMAT_VERSION = "2"   # 2: checksum over chunk sums (1: CRC-32)
 _CHECKSUM_CHUNK = 64 << 10   # bytes per summed chunk; a multiple of 8
@@ -234,10 +234,9 @@ def check_destination(kv_caches: Sequence[torch.Tensor],
                       dst_block_ids: Sequence[int]) -> np.ndarray:
     """The destination block ids as an array: distinct, in this pool (a local bug if not)."""
     ids = np.asarray(dst_block_ids, dtype=np.int64)
-    num_blocks = kv_caches[0].shape[1]
-    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks or np.bincount(ids).max() > 1):
-        raise ValueError(f"dst_block_ids: got {list(dst_block_ids)}; expected distinct ids "
-                         f"in [0, {num_blocks})")
+    fault = block_id_fault(ids, kv_caches[0].shape[1], distinct=True)
+    if fault is not None:
+        raise ValueError(f"dst_block_ids: {fault}")
     return ids
 
 

@@ -25,6 +25,16 @@ class HostRows:
     kv: torch.Tensor
 
 
+def block_id_fault(ids: np.ndarray, num_blocks: int, distinct: bool) -> str | None:
+    """Why ``ids`` do not name blocks of a pool of ``num_blocks`` (each once, with
+    ``distinct``), for an error message; None when they do."""
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        return f"got {ids.min()}..{ids.max()}; expected ids in [0, {num_blocks})"
+    if distinct and ids.size and np.bincount(ids).max() > 1:
+        return f"got {ids.tolist()}; expected distinct ids"
+    return None
+
+
 def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor) -> None:
     """Blocks ``ids`` (on the pool's device) into ``rows`` [n, L, 2, elems], on that device."""
     row_words = as_words(rows)

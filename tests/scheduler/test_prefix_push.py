@@ -4,7 +4,7 @@ decode worker while it prefills, so its handoff moves only the last chunk's bloc
 The same in-process workers and handles as ``test_global_scheduler``; chunks of 32
 tokens (2 blocks of 16) make a 100-token prompt a four-step prefill: 6 full blocks
 finish before the step that samples the first token, and the 7th holds its last 4
-tokens. Each prefill step takes 50 ms longer, as a real chunk takes longer than moving
+tokens. Each prefill step takes 200 ms longer, as a real chunk takes longer than moving
 its blocks, so that every push lands before the next step ends.
 """
 
@@ -31,7 +31,7 @@ async def _run(path: str, roles: list[str], corrupt_first: bool = False,
 
     async def slow_step(plan: bytes) -> bytes:
         out = await step(plan)
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
         return out
 
     handles[0].step = slow_step
