@@ -13,7 +13,9 @@ place through those tables (``AttentionMetadata.decode_head_tables``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +27,18 @@ from kvcache.kv_transfer import HostRows, ImportedBlocks
 from kvcache.long_context import KVMode, LongContextConfig
 from scheduler.protocol import TierChange, TierStats
 from workers.ops.base import AttentionMetadata
+
+
+@runtime_checkable
+class TableSelector(Protocol):
+    """A ``BlockSelector`` that also writes its choice into a step's per-head tables
+    (``CpuBlockSelector.select_into``): a layer's selection is then one call."""
+
+    def select_into(self, q: torch.Tensor, query_rows: Sequence[int],
+                    rows: Sequence[torch.Tensor], ks: Sequence[int],
+                    middles: Sequence[torch.Tensor], firsts: Sequence[int],
+                    tables: torch.Tensor) -> list[torch.Tensor]:
+        ...
 
 
 class RecallCache:
@@ -290,6 +304,12 @@ class SparseStep:
         device_rows = [sr for sr in self.rows if sr.state.mode is not KVMode.OFFLOAD]
         self.placement = (_Placement(device_rows, self.meta.decode_head_tables)
                           if device_rows else None)
+        # Selection and table write in one call, for steps whose rows are all in the pool:
+        # its per-row arguments, made once a step.
+        self.fused = (([sr.row for sr in self.rows], [sr.top_k for sr in self.rows],
+                       [sr.middle for sr in self.rows], [sr.first for sr in self.rows])
+                      if isinstance(owner.selector, TableSelector) and self.rows
+                      and not self.offloaded else None)
 
     def _layout(self, decodes: list[tuple[SeqTierState | None, int]],
                 meta: AttentionMetadata) -> AttentionMetadata:
@@ -343,8 +363,14 @@ class SparseStep:
     def decode_meta(self, layer: int, q: torch.Tensor,
                     kv_cache: torch.Tensor) -> AttentionMetadata:
         """The step's metadata with this layer's selected blocks in the sparse rows."""
-        self._select(layer, q)
         tables = self.meta.decode_head_tables
+        due = [sr for sr in self.rows if not self._reuses(layer, sr)]
+        if self.fused is not None and len(due) == len(self.rows):
+            rows, ks, middles, firsts = self.fused
+            self._keep(layer, due, self.owner.selector.select_into(
+                q, rows, [r[layer] for r in self.layer_rows], ks, middles, firsts, tables))
+            return self.meta
+        self._select(layer, q, due)
         if self.placement is not None:
             self.placement.write(layer, tables)
         for sr in self.offloaded:
@@ -352,13 +378,9 @@ class SparseStep:
             tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
         return self.meta
 
-    def _select(self, layer: int, q: torch.Tensor) -> None:
-        """Each sparse row's [KVH, k] middle indices for ``layer``, into its state's
-        ``selections``: one selector call for the rows that choose in this step. A
-        choice is reused for ``reselect_every`` steps while the middle keeps its size
-        and k."""
-        o = self.owner
-        due = [sr for sr in self.rows if not self._reuses(layer, sr)]
+    def _select(self, layer: int, q: torch.Tensor, due: list[_SparseRow]) -> None:
+        """The [KVH, k] middle indices for ``layer`` of the rows that choose in this step
+        (``due``; the others reuse theirs), in one selector call."""
         if not due:
             return
         if len(due) == len(self.rows):   # every row, as with reselect_every 1
@@ -367,10 +389,15 @@ class SparseStep:
         else:
             queries = q[torch.as_tensor([sr.row for sr in due], device=q.device)]
             rows = [sr.scoring_rows[layer] for sr in due]
-        chosen = o.selector.select(queries, rows, [sr.top_k for sr in due])
+        self._keep(layer, due, self.owner.selector.select(queries, rows,
+                                                          [sr.top_k for sr in due]))
+
+    def _keep(self, layer: int, due: list[_SparseRow], chosen: list[torch.Tensor]) -> None:
+        """Each row's choice into its state's ``selections``, reused for
+        ``reselect_every`` steps while the middle keeps its size and k."""
         for sr, c in zip(due, chosen):
             sr.state.selections[layer] = c
-        o.stats.selections += len(due)
+        self.owner.stats.selections += len(due)
 
     def _reuses(self, layer: int, sr: _SparseRow) -> bool:
         st, last = sr.state, sr.state.selections.get(layer)

@@ -88,3 +88,28 @@ def test_a_nan_query_gets_valid_blocks():
     got, = CpuBlockSelector("hybrid").select(query, [rows], [6])
     assert got.shape == (KVH, 6) and (got.diff(dim=1) > 0).all()
     assert torch.equal(got[0], torch.arange(6))   # all NaN: the lowest blocks
+
+
+def test_select_into_writes_each_choice_into_its_rows_tables():
+    """``select_into`` chooses what ``select`` chooses for the same query rows (taken from
+    a strided q, as a layer's q is a view of its qkv) and writes each head's chosen
+    middle blocks into the tables from the row's first column, leaving the rest."""
+    g = torch.Generator().manual_seed(7)
+    sizes, ks, firsts, per = [40, 6, 70], [8, 9, 5], [2, 0, 4], 2
+    rows = [strided(scoring_rows(summaries(m, "hybrid", g))) for m in sizes]
+    qkv = torch.randn(4, (KVH * G + 2 * KVH) * D, generator=g)
+    q = qkv[:, :KVH * G * D].view(4, KVH * G, D)            # not contiguous
+    query_rows = [3, 0, 1]
+    middles = [torch.randperm(1000, generator=g)[:m * per].view(m, per) for m in sizes]
+    tables = torch.full((4, KVH, 30), -7, dtype=torch.long)
+    selector = CpuBlockSelector("hybrid")
+    got = selector.select_into(q, query_rows, rows, ks, middles, firsts, tables)
+    want = selector.select(q[query_rows], rows, ks)
+    expected = torch.full_like(tables, -7)
+    for row, sel, mid, first, g_sel in zip(query_rows, want, middles, firsts, got):
+        assert torch.equal(g_sel, sel)
+        w = sel.shape[1]
+        expected[row, :, first:first + w * per] = mid[sel].flatten(1)
+    assert torch.equal(tables, expected)
+    with pytest.raises(RuntimeError, match="do not fit the tables"):
+        selector.select_into(q, [0], rows[2:], [30], middles[2:], [0], tables)

@@ -248,6 +248,20 @@ class CpuBlockSelector:
         return torch.ops.llm_cluster.select_blocks(queries.float().contiguous(), list(rows),
                                                    list(ks), self.kind)
 
+    def select_into(self, q: torch.Tensor, query_rows: Sequence[int],
+                    rows: Sequence[torch.Tensor], ks: Sequence[int],
+                    middles: Sequence[torch.Tensor], firsts: Sequence[int],
+                    tables: torch.Tensor) -> list[torch.Tensor]:
+        """``select`` for the queries ``q[query_rows[i]]``, each row's choice then written
+        into ``tables`` [B, KVH, width]: head h of table row ``query_rows[i]``, from column
+        ``firsts[i]``, gets the pool blocks ``middles[i]`` [M_i, per_block] of its chosen
+        middle blocks, in order. One call where ``select`` needs four ops around it."""
+        if q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.float().contiguous()
+        return torch.ops.llm_cluster.select_into_tables(q, list(query_rows), list(rows),
+                                                        list(ks), self.kind, list(middles),
+                                                        list(firsts), tables)
+
 
 _KINDS = {torch.float32: "fp32", torch.float16: "fp16"}  # linear-choice kinds of fp weights
 

@@ -144,17 +144,23 @@ void score_blocks(const Task& task, int64_t first, int64_t count, int64_t vector
 // [H, D]: a block's score is the best of the KV head's group of query heads. Scoring is
 // split over the threads by blocks, not by (row, KV head): at batch 1 three KV heads on
 // two threads would leave one thread reading two heads' rows while the other idles.
-std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList rows,
-                                      at::IntArrayRef ks, int64_t kind) {
+// Row r's query is queries[query_rows[r]] (every query row in order when empty).
+std::vector<at::Tensor> select_rows(const at::Tensor& queries, at::IntArrayRef query_rows,
+                                    at::TensorList rows, at::IntArrayRef ks, int64_t kind) {
   TORCH_CHECK(queries.scalar_type() == at::kFloat && queries.dim() == 3 &&
-                  queries.is_contiguous(),
-              "select_blocks: queries must be contiguous float32 [rows, heads, head_dim]");
+                  queries.stride(2) == 1 && queries.stride(1) == queries.size(2),
+              "select_blocks: queries must be float32 [rows, heads, head_dim], each row's "
+              "heads contiguous");
   TORCH_CHECK(kind >= 0 && kind <= 2, "select_blocks: kind must be 0 (mean), 1 (minmax) "
               "or 2 (hybrid)");
-  const int64_t n = queries.size(0), heads = queries.size(1), dim = queries.size(2);
+  const int64_t heads = queries.size(1), dim = queries.size(2);
+  const int64_t n = query_rows.empty() ? queries.size(0) : query_rows.size();
   const int64_t width = kVectors[kind] * dim;
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(ks.size()) == n,
               "select_blocks: one scoring-row tensor and one k per query row");
+  for (int64_t q : query_rows)
+    TORCH_CHECK(q >= 0 && q < queries.size(0), "select_blocks: query row ", q,
+                " is not in [0, ", queries.size(0), ")");
   // Task t's blocks' scores start at first_score[t].
   std::vector<Task> tasks;
   std::vector<int64_t> first_score(1, 0);
@@ -171,7 +177,9 @@ std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList 
     out[r] = at::empty({row.size(0), std::min(ks[r], row.size(1))},
                        queries.options().dtype(at::kLong));
     float* row_parts = parts.data_ptr<float>() + r * heads * width;
-    query_parts(queries.data_ptr<float>() + r * heads * dim, heads, dim, kind, row_parts);
+    const int64_t q_row = query_rows.empty() ? r : query_rows[r];
+    query_parts(queries.data_ptr<float>() + q_row * queries.stride(0), heads, dim, kind,
+                row_parts);
     const int64_t group = heads / row.size(0);
     for (int64_t h = 0; h < row.size(0); ++h) {
       tasks.push_back({row.data_ptr<int8_t>() + h * row.stride(0), row.stride(1), group, r,
@@ -206,12 +214,68 @@ std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList 
   return out;
 }
 
+std::vector<at::Tensor> select_blocks(const at::Tensor& queries, at::TensorList rows,
+                                      at::IntArrayRef ks, int64_t kind) {
+  return select_rows(queries, {}, rows, ks, kind);
+}
+
+// select_blocks for rows[r] with query q[query_rows[r]], each selection then written into
+// the step's per-head block tables [B, KVH, width] (int64): head h of table row
+// query_rows[r], from column firsts[r], takes the pool blocks middles[r] [M_r, per_block]
+// of its selected middle blocks, in their (ascending) order. One call per layer instead of
+// a gather of the queries and an indexed table write around the selection, which at
+// batch 1 cost as much as attending the 2K tokens they choose (benchmarks/RESULTS.md).
+std::vector<at::Tensor> select_into_tables(const at::Tensor& q, at::IntArrayRef query_rows,
+                                           at::TensorList rows, at::IntArrayRef ks,
+                                           int64_t kind, at::TensorList middles,
+                                           at::IntArrayRef firsts, at::Tensor tables) {
+  const int64_t n = query_rows.size();
+  TORCH_CHECK(n > 0 && static_cast<int64_t>(middles.size()) == n &&
+                  static_cast<int64_t>(firsts.size()) == n,
+              "select_into_tables: one query row, middle and first column per row");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 3 && tables.stride(2) == 1,
+              "select_into_tables: tables must be int64 [rows, KVH, width] with a contiguous "
+              "last dimension");
+  for (int64_t row : query_rows)
+    TORCH_CHECK(row >= 0 && row < tables.size(0), "select_into_tables: row ", row,
+                " is not a row of the tables [0, ", tables.size(0), ")");
+  auto out = select_rows(q, query_rows, rows, ks, kind);
+  int64_t* tab = tables.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    const at::Tensor& mid = middles[r];
+    const at::Tensor& sel = out[r];
+    const int64_t kvh = sel.size(0), w = sel.size(1);
+    TORCH_CHECK(mid.scalar_type() == at::kLong && mid.dim() == 2 && mid.stride(1) == 1 &&
+                    mid.size(0) == rows[r].size(1),
+                "select_into_tables: middles[", r, "] must be int64 [M, per_block] with "
+                "the row's M blocks and a contiguous last dimension");
+    const int64_t per = mid.size(1);
+    TORCH_CHECK(kvh == tables.size(1) && firsts[r] >= 0 &&
+                    firsts[r] + w * per <= tables.size(2),
+                "select_into_tables: row ", r, "'s ", w, " blocks of ", per,
+                " from column ", firsts[r], " do not fit the tables' ", tables.size(1),
+                " heads of ", tables.size(2), " columns");
+    const int64_t* m = mid.data_ptr<int64_t>();
+    const int64_t* chosen = sel.data_ptr<int64_t>();
+    for (int64_t h = 0; h < kvh; ++h) {
+      int64_t* dst = tab + query_rows[r] * tables.stride(0) + h * tables.stride(1) + firsts[r];
+      for (int64_t j = 0; j < w; ++j)
+        for (int64_t t = 0; t < per; ++t)
+          dst[j * per + t] = m[chosen[h * w + j] * mid.stride(0) + t];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("select_blocks(Tensor queries, Tensor[] rows, int[] ks, int kind) -> Tensor[]");
+  m.def("select_into_tables(Tensor q, int[] query_rows, Tensor[] rows, int[] ks, int kind, "
+        "Tensor[] middles, int[] firsts, Tensor(a!) tables) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("select_blocks", &select_blocks);
+  m.impl("select_into_tables", &select_into_tables);
 }
