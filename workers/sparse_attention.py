@@ -27,6 +27,7 @@ from kvcache.kv_transfer import HostRows, ImportedBlocks
 from kvcache.long_context import KVMode, LongContextConfig
 from scheduler.protocol import TierChange, TierStats
 from workers.ops.base import AttentionMetadata
+from workers.recall_cache import RecallCache
 
 
 @runtime_checkable
@@ -39,50 +40,6 @@ class TableSelector(Protocol):
                     middles: Sequence[torch.Tensor], firsts: Sequence[int],
                     tables: torch.Tensor) -> list[torch.Tensor]:
         ...
-
-
-class RecallCache:
-    """A sequence's recall blocks: slots of ``per_block`` device blocks, each holding one
-    middle retrieval block per (layer, KV head), reused least recently used first."""
-
-    def __init__(self, per_block: int, num_layers: int, num_heads: int) -> None:
-        self.block_ids: list[int] = []
-        self.per_block = per_block
-        self.num_heads = num_heads
-        keys = num_layers * num_heads
-        self._slot_of: list[dict[int, int]] = [{} for _ in range(keys)]  # block -> slot
-        self._content: list[list[int]] = [[] for _ in range(keys)]       # slot -> block
-        self._used: list[list[int]] = [[] for _ in range(keys)]          # slot -> step
-
-    @property
-    def slots(self) -> int:
-        return len(self.block_ids) // self.per_block
-
-    def grow(self, block_ids: list[int]) -> None:
-        self.block_ids.extend(block_ids)
-        for content, used in zip(self._content, self._used):
-            content.extend([-1] * (self.slots - len(content)))
-            used.extend([-1] * (self.slots - len(used)))
-
-    def place(self, layer: int, head: int, wanted: list[int],
-              step: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Slots holding ``wanted`` middle blocks, and the (block, slot) pairs to copy in."""
-        key = layer * self.num_heads + head
-        slot_of, content, used = self._slot_of[key], self._content[key], self._used[key]
-        want = set(wanted)
-        spare = iter(sorted((s for s in range(self.slots) if content[s] not in want),
-                            key=used.__getitem__))
-        copies, slots = [], []
-        for b in wanted:
-            s = slot_of.get(b)
-            if s is None:
-                s = next(spare)
-                slot_of.pop(content[s], None)
-                slot_of[b], content[s] = s, b
-                copies.append((b, s))
-            used[s] = step
-            slots.append(s)
-        return slots, copies
 
 
 @dataclass
