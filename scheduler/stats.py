@@ -53,8 +53,9 @@ class LatencyWindow:
 class TransferStats:
     """KV handoffs of one worker; ``seconds`` from the first token to the receiver's
     acknowledgement, of which ``export_seconds`` until the sender's batch was ready.
-    ``pushes``: blocks sent ahead of a handoff while the prompt still prefilled
-    (``scheduler.prefix_push``), counted apart from the handoffs."""
+    ``pushes`` and the other ``push`` fields: transfers of a prompt's finished blocks
+    ahead of its handoff, while it still prefilled (``scheduler.prefix_push``), counted
+    apart from the handoffs."""
 
     count: int = 0
     bytes: int = 0

@@ -13,6 +13,7 @@ place through those tables (``AttentionMetadata.decode_head_tables``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -258,15 +259,19 @@ class SparseStep:
                                        device=meta.decode_block_tables.device)
         self.layer_rows = [sr.scoring_rows.unbind(0) for sr in self.rows]
         self.offloaded = [sr for sr in self.rows if sr.state.mode is KVMode.OFFLOAD]
-        device_rows = [sr for sr in self.rows if sr.state.mode is not KVMode.OFFLOAD]
-        self.placement = (_Placement(device_rows, self.meta.decode_head_tables)
-                          if device_rows else None)
         # Selection and table write in one call, for steps whose rows are all in the pool:
         # its per-row arguments, made once a step.
         self.fused = (([sr.row for sr in self.rows], [sr.top_k for sr in self.rows],
                        [sr.middle for sr in self.rows], [sr.first for sr in self.rows])
                       if isinstance(owner.selector, TableSelector) and self.rows
                       and not self.offloaded else None)
+
+    @functools.cached_property
+    def placement(self) -> _Placement | None:
+        """The device-resident rows' table writes, made in the first layer that needs
+        them (none does when every layer takes the one-call path)."""
+        device_rows = [sr for sr in self.rows if sr.state.mode is not KVMode.OFFLOAD]
+        return _Placement(device_rows, self.meta.decode_head_tables) if device_rows else None
 
     def _layout(self, decodes: list[tuple[SeqTierState | None, int]],
                 meta: AttentionMetadata) -> AttentionMetadata:
