@@ -108,6 +108,19 @@ async def _finish(gs: GlobalScheduler, rids: list[str]) -> dict[str, list[int]]:
     return out
 
 
+async def _serve(gs: GlobalScheduler,
+                 prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], CellStats]:
+    """Start ``gs``, run ``prompts`` greedily to the end, shut it down: the tokens per
+    request and the cell's stats."""
+    await gs.start()
+    for rid, p in prompts.items():
+        await gs.submit(rid, p, GREEDY)
+    out = await _finish(gs, list(prompts))
+    stats = await gs.stats()
+    await gs.shutdown()
+    return out, stats
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 104729) % 250 + 3 for i in range(n)]
 
@@ -145,13 +158,7 @@ def test_refused_batch_is_recomputed_on_the_decode_side(tiny_factory):
 
     async def run(kv_dtypes: dict[int, str]) -> tuple[dict[str, list[int]], CellStats]:
         gs, _ = _scheduler(path, ["prefill", "decode"], kv_dtypes)
-        await gs.start()
-        for rid, p in prompts.items():
-            await gs.submit(rid, p, GREEDY)
-        out = await _finish(gs, list(prompts))
-        stats = await gs.stats()
-        await gs.shutdown()
-        return out, stats
+        return await _serve(gs, prompts)
 
     async def main() -> None:
         good, good_stats = await run({})
@@ -178,13 +185,7 @@ def test_handoffs_share_memory_on_one_node_and_take_the_object_store_across_node
 
     async def run(roles: list[str], node_ids: dict[int, str]) -> tuple[dict, CellStats]:
         gs, _ = _scheduler(path, roles, node_ids=node_ids)
-        await gs.start()
-        for rid, p in prompts.items():
-            await gs.submit(rid, p, GREEDY)
-        out = await _finish(gs, list(prompts))
-        stats = await gs.stats()
-        await gs.shutdown()
-        return out, stats
+        return await _serve(gs, prompts)
 
     async def main() -> None:
         alone, _ = await run(["mixed"], {})
@@ -216,13 +217,7 @@ def test_a_block_corrupted_in_the_senders_pool_after_export_is_recomputed(tiny_f
             return out
 
         sender.export_kv = export_then_corrupt
-        await gs.start()
-        for rid, p in prompts.items():
-            await gs.submit(rid, p, GREEDY)
-        out = await _finish(gs, list(prompts))
-        stats = await gs.stats()
-        await gs.shutdown()
-        return out, stats
+        return await _serve(gs, prompts)
 
     async def main() -> None:
         clean, clean_stats = await run(False)

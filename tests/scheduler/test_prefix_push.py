@@ -16,7 +16,7 @@ import torch
 
 from scheduler.config import SchedulerConfig
 from scheduler.stats import CellStats
-from tests.scheduler.test_global_scheduler import GREEDY, _finish, _prompt, _scheduler
+from tests.scheduler.test_global_scheduler import _prompt, _scheduler, _serve
 
 CHUNKED = SchedulerConfig(max_num_batched_tokens=32)
 PROMPTS = {"long": _prompt(3, 100), "short": _prompt(4, 20)}
@@ -59,12 +59,7 @@ async def _run(path: str, roles: list[str], corrupt_first: bool = False,
                     flipped.append(-1)
 
         sender.export_kv, receiver.import_kv = export_then_corrupt, import_then_restore
-    await gs.start()
-    for rid, p in prompts.items():
-        await gs.submit(rid, p, GREEDY)
-    out = await _finish(gs, list(prompts))
-    stats = await gs.stats()
-    await gs.shutdown()
+    out, stats = await _serve(gs, prompts)
     return out, stats, sender.runner.kv_shape.bytes_per_block
 
 
