@@ -111,5 +111,7 @@ def test_select_into_writes_each_choice_into_its_rows_tables():
         w = sel.shape[1]
         expected[row, :, first:first + w * per] = mid[sel].flatten(1)
     assert torch.equal(tables, expected)
-    with pytest.raises(RuntimeError, match="do not fit the tables"):
-        selector.select_into(q, [0], rows[2:], [30], middles[2:], [0], tables)
+    before = tables.clone()
+    with pytest.raises(RuntimeError, match="do not fit the tables"):   # the last row
+        selector.select_into(q, [0, 1], rows[1:], [5, 30], middles[1:], [0, 0], tables)
+    assert torch.equal(tables, before)   # nothing written, not even the first row's

@@ -236,25 +236,30 @@ std::vector<at::Tensor> select_into_tables(const at::Tensor& q, at::IntArrayRef 
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 3 && tables.stride(2) == 1,
               "select_into_tables: tables must be int64 [rows, KVH, width] with a contiguous "
               "last dimension");
-  for (int64_t row : query_rows)
-    TORCH_CHECK(row >= 0 && row < tables.size(0), "select_into_tables: row ", row,
-                " is not a row of the tables [0, ", tables.size(0), ")");
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(ks.size()) == n,
+              "select_into_tables: one scoring-row tensor and one k per row");
+  // Every row's place in the tables is checked before anything is written.
+  for (int64_t r = 0; r < n; ++r) {
+    const at::Tensor& mid = middles[r];
+    TORCH_CHECK(query_rows[r] >= 0 && query_rows[r] < tables.size(0), "select_into_tables: "
+                "row ", query_rows[r], " is not a row of the tables [0, ", tables.size(0), ")");
+    TORCH_CHECK(mid.scalar_type() == at::kLong && mid.dim() == 2 && mid.stride(1) == 1 &&
+                    rows[r].dim() == 3 && mid.size(0) == rows[r].size(1),
+                "select_into_tables: middles[", r, "] must be int64 [M, per_block] with "
+                "the row's M blocks and a contiguous last dimension");
+    const int64_t w = std::min(ks[r], rows[r].size(1)), per = mid.size(1);
+    TORCH_CHECK(rows[r].size(0) == tables.size(1) && firsts[r] >= 0 &&
+                    firsts[r] + w * per <= tables.size(2),
+                "select_into_tables: row ", r, "'s ", w, " blocks of ", per,
+                " from column ", firsts[r], " do not fit the tables' ", tables.size(1),
+                " heads of ", tables.size(2), " columns");
+  }
   auto out = select_rows(q, query_rows, rows, ks, kind);
   int64_t* tab = tables.data_ptr<int64_t>();
   for (int64_t r = 0; r < n; ++r) {
     const at::Tensor& mid = middles[r];
     const at::Tensor& sel = out[r];
-    const int64_t kvh = sel.size(0), w = sel.size(1);
-    TORCH_CHECK(mid.scalar_type() == at::kLong && mid.dim() == 2 && mid.stride(1) == 1 &&
-                    mid.size(0) == rows[r].size(1),
-                "select_into_tables: middles[", r, "] must be int64 [M, per_block] with "
-                "the row's M blocks and a contiguous last dimension");
-    const int64_t per = mid.size(1);
-    TORCH_CHECK(kvh == tables.size(1) && firsts[r] >= 0 &&
-                    firsts[r] + w * per <= tables.size(2),
-                "select_into_tables: row ", r, "'s ", w, " blocks of ", per,
-                " from column ", firsts[r], " do not fit the tables' ", tables.size(1),
-                " heads of ", tables.size(2), " columns");
+    const int64_t kvh = sel.size(0), w = sel.size(1), per = mid.size(1);
     const int64_t* m = mid.data_ptr<int64_t>();
     const int64_t* chosen = sel.data_ptr<int64_t>();
     for (int64_t h = 0; h < kvh; ++h) {
