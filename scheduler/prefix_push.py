@@ -66,10 +66,14 @@ class PrefixPushes:
                 self._push(src, seq, workers)
 
     def holder(self, seq: Sequence) -> CellWorker | None:
-        """The serving worker holding ``seq``'s pushed blocks, where its handoff should
-        go (None: none pushed). Forgets the sequence: its pushes are over."""
+        """The serving worker holding (or receiving) ``seq``'s pushed blocks, where its
+        handoff should go; None when nothing was pushed (a target with no room, or one
+        that would not keep them, is no reason to prefer it). Forgets the sequence: its
+        pushes are over."""
         pushed = self._seqs.pop(seq.seq_id, None)
-        return pushed.dst if pushed is not None and pushed.dst.serving else None
+        if pushed is None or not (pushed.blocks or pushed.moving) or not pushed.dst.serving:
+            return None
+        return pushed.dst
 
     def _push(self, src: CellWorker, seq: Sequence, workers: list[CellWorker]) -> None:
         full = seq.num_computed_tokens // self.block_size
