@@ -100,8 +100,10 @@ def hf_logits(model_path: str, ids: list[int]) -> torch.Tensor:
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
-    """Of the text's own next tokens under ``logits`` (row i predicts ids[i + 1])."""
-    nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+    """Of the text's own next tokens under ``logits`` (row i predicts ids[i + 1]), summed
+    in float64: a float32 mean rounds at ~6e-8, coarser than the change the draws' noise
+    makes in a continuous model, and would hide it."""
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:]))
     return math.exp(nll.item())
 
 
