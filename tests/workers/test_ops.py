@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kvcache.kv_quant import dequantize_rows, quantize_rows
 from workers.ops import AttentionMetadata, PrefillSegment, TorchOps
 from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels, onednn_linear_problem
 from workers.ops.linear_choice import LinearChooser
@@ -164,6 +165,34 @@ def test_per_head_block_subsets_match_gathered_oracle(ops, block_size, kv_dtype,
     unused = torch.empty(len(lens), KVH, D)
     got = ops.attention(q, unused, unused, cache, meta, D ** -0.5)
     want = gathered_attention(q, cache, head_tables, head_lens, D ** -0.5)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
+def test_cpu_decode_kernel_merges_a_long_contexts_pieces(kv_dtype):
+    """With fewer (sequence, KV head) contexts than twice the threads, the kernel cuts each
+    context into pieces of whole blocks, one task each, and merges their softmax sums
+    (paged_attention_cpu.cpp). One sequence on two threads: 2 contexts of up to 2000
+    tokens make 2 pieces each; head 1 holds 5 tokens, so its first piece is empty. Scores
+    spread wide, so a piece merged without its rescale to the context's max is far off."""
+    assert load_cpu_kernels() is None
+    g = torch.Generator().manual_seed(11)
+    block_size, num_blocks = 16, 160
+    cache = torch.randn(2, num_blocks, block_size, KVH, D, generator=g) * 3
+    cache = quantize_rows(cache) if kv_dtype == torch.int8 else cache.to(kv_dtype)
+    head_tables = torch.stack([torch.randperm(num_blocks, generator=g)[:125]
+                               for _ in range(KVH)]).unsqueeze(0)
+    head_lens = torch.tensor([[2000, 5]])
+    q = torch.randn(1, H, D, generator=g) * 2
+    meta = decode_meta([head_tables[0, 0]], [2000], block_size, head_tables, head_lens)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = CpuOps().attention(q, q[:, :KVH], q[:, :KVH], cache, meta, D ** -0.5)
+    finally:
+        torch.set_num_threads(threads)
+    values = dequantize_rows(cache, torch.float32) if kv_dtype == torch.int8 else cache
+    want = gathered_attention(q, values, head_tables, head_lens, D ** -0.5)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 

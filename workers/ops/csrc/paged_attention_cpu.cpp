@@ -1,5 +1,6 @@
 // Paged decode attention for CPUs: each query token attends to its sequence's KV
-// straight from the block pool, one (sequence, KV head) pair per task, so no
+// straight from the block pool, one (sequence, KV head) context per task (or, below
+// twice as many contexts as threads, one piece of a context: decode_kernel), so no
 // per-step copy of the context is made. Each task reads the block table and length of
 // its own (sequence, KV head), so sparse attention (a subset of blocks per KV head) runs
 // the code dense decode runs, whose one table is every head's. Registered as
@@ -26,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -215,8 +217,9 @@ inline void accumulate(const float* p, const float* rows, int64_t stride, int64_
   }
 }
 
-// row[0:len] = softmax(row[0:len]) in place.
-inline void softmax(float* row, int64_t len) {
+// row[0:len] = exp(row[0:len] - max) in place; returns {max, sum of the new row}. The
+// normalisation waits for the merge of a context's pieces (decode_kernel).
+inline std::pair<float, float> exp_shifted(float* row, int64_t len) {
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
   for (int64_t i = 0; i < len; ++i) mx = std::max(mx, row[i]);
@@ -245,8 +248,19 @@ inline void softmax(float* row, int64_t len) {
     row[i] = std::exp(row[i] - mx);
     total += row[i];
   }
-  const float inv = 1.f / total;
-  for (i = 0; i < len; ++i) row[i] *= inv;
+  return {mx, total};
+}
+
+// How many pieces each (sequence, KV head) context is cut into: one, unless there are
+// fewer contexts than twice the threads (batch 1: three KV heads on two threads would
+// leave one thread reading two heads while the other idles for a third of the call),
+// and never pieces under kMinPieceTokens, whose fixed costs would outweigh the balance.
+constexpr int64_t kMinPieceTokens = 512;
+inline int64_t pieces_per_context(int64_t contexts, int64_t max_len) {
+  const int64_t threads = at::get_num_threads();
+  if (contexts >= 2 * threads) return 1;
+  const int64_t wanted = (2 * threads + contexts - 1) / contexts;
+  return std::max<int64_t>(1, std::min(wanted, max_len / kMinPieceTokens));
 }
 
 // block_tables [num_seqs, kv_heads, max_blocks] and seq_lens [num_seqs, kv_heads], read
@@ -271,55 +285,108 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qs(group * head_dim), acc(group * head_dim);
+  // Each context is cut into `pieces` runs of whole blocks, one task each. A task leaves
+  // its piece's softmax unnormalised: per query head the max score, the sum of
+  // exp(score - max) and the values weighted by those exps (`parts`); the merge below
+  // rescales every piece to the context's max, as split-K decoding does.
+  const int64_t contexts = num_seqs * kv_heads;
+  const int64_t pieces = pieces_per_context(contexts, max_len);
+  // A part per (task, query head): acc[head_dim], max, sum. Parts start on 64-byte lines:
+  // accumulate() loads and stores acc once per block, and a store split over two lines
+  // stalls the next block's load (~5% of a batch-8 call when they were packed).
+  const int64_t part_width = (head_dim + 2 + 15) / 16 * 16;
+  const at::Tensor parts_buffer = at::empty({contexts * pieces * group, part_width},
+                                            q.options());
+  float* const parts = parts_buffer.data_ptr<float>();
+  at::parallel_for(0, contexts * pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qs(group * head_dim);
     std::vector<float> rows(block_size * head_dim);  // one block's rows of this head, fp32
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t context = task / pieces, piece = task % pieces;
+      const int64_t s = context / kv_heads, h = context % kv_heads;
       const int64_t len = lens[s * len_seq + h * len_head];
       const int64_t* table = tables + s * table_seq + h * table_head;
       TORCH_CHECK(len > 0 && len <= max_len, "paged_decode_attention: length ", len,
                   " of sequence ", s, " head ", h, " outside 1..", max_len);
-      for (int64_t b = 0; b * block_size < len; ++b)
+      const int64_t blocks = (len + block_size - 1) / block_size;
+      const int64_t first = blocks * piece / pieces, last = blocks * (piece + 1) / pieces;
+      for (int64_t b = first; b < last; ++b)
         TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block ",
                     table[b], " outside the pool of ", num_blocks);
-      scores.resize(group * len);
+      const int64_t lo = first * block_size, hi = std::min(len, last * block_size);
+      const int64_t span = std::max<int64_t>(0, hi - lo);
+      float* part = parts + task * group * part_width;
+      if (span == 0) {   // a piece past a short context's end
+        for (int64_t g = 0; g < group; ++g) {
+          std::fill(part + g * part_width, part + g * part_width + head_dim, 0.f);
+          part[g * part_width + head_dim] = -INFINITY;
+          part[g * part_width + head_dim + 1] = 0.f;
+        }
+        continue;
+      }
+      scores.resize(group * span);
       for (int64_t g = 0; g < group; ++g) {
         const float* src = qp + (s * num_heads + h * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qs[g * head_dim + i] = src[i] * fscale;
       }
-      // Visit the context a block at a time: use(start, n, rows, stride) gets the block's
+      // Visit the piece a block at a time: use(offset, n, rows, stride) gets the block's
       // n rows of this head as fp32 (in place, or widened into `rows`).
       auto each_block = [&](const T* cache, auto&& use) {
-        for (int64_t start = 0; start < len; start += block_size) {
-          const int64_t n = std::min(block_size, len - start);
-          if (start + block_size < len)
+        for (int64_t start = lo; start < hi; start += block_size) {
+          const int64_t n = std::min(block_size, hi - start);
+          if (start + block_size < hi)
             prefetch_rows(cache + table[start / block_size + 1] * block_stride + h * row_width,
-                          std::min(block_size, len - start - block_size), row_width * sizeof(T),
+                          std::min(block_size, hi - start - block_size), row_width * sizeof(T),
                           token_stride * sizeof(T));
           int64_t stride;
           const float* block = block_rows(cache + table[start / block_size] * block_stride +
                                           h * row_width, n, token_stride, head_dim, rows.data(),
                                           &stride);
-          use(start, n, block, stride);
+          use(start - lo, n, block, stride);
         }
       };
-      each_block(kp, [&](int64_t start, int64_t n, const float* keys, int64_t stride) {
+      each_block(kp, [&](int64_t offset, int64_t n, const float* keys, int64_t stride) {
         for (int64_t g = 0; g < group; ++g)
           block_scores<D>(qs.data() + g * head_dim, keys, stride, n,
-                          scores.data() + g * len + start, head_dim);
+                          scores.data() + g * span + offset, head_dim);
       });
-      for (int64_t g = 0; g < group; ++g) softmax(scores.data() + g * len, len);
-      // Weighted values into fp32 accumulators.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      each_block(vp, [&](int64_t start, int64_t n, const float* values, int64_t stride) {
+      for (int64_t g = 0; g < group; ++g) {
+        const auto [mx, total] = exp_shifted(scores.data() + g * span, span);
+        std::fill(part + g * part_width, part + g * part_width + head_dim, 0.f);
+        part[g * part_width + head_dim] = mx;
+        part[g * part_width + head_dim + 1] = total;
+      }
+      each_block(vp, [&](int64_t offset, int64_t n, const float* values, int64_t stride) {
         for (int64_t g = 0; g < group; ++g)
-          accumulate<D>(scores.data() + g * len + start, values, stride, n,
-                        acc.data() + g * head_dim, head_dim);
+          accumulate<D>(scores.data() + g * span + offset, values, stride, n,
+                        part + g * part_width, head_dim);
       });
-      std::memcpy(op + (s * num_heads + h * group) * head_dim, acc.data(),
-                  group * head_dim * sizeof(float));
     }
+  });
+  // Merge: out = sum_p exp(max_p - max) acc_p / sum_p exp(max_p - max) sum_p.
+  constexpr int64_t kMergeGrain = 64;   // contexts per thread: a merge is ~100 ns
+  at::parallel_for(0, contexts, kMergeGrain, [&](int64_t begin, int64_t end) {
+  for (int64_t context = begin; context < end; ++context) {
+    const int64_t s = context / kv_heads, h = context % kv_heads;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* first = parts + (context * pieces * group + g) * part_width;
+      const int64_t piece_stride = group * part_width;
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, first[p * piece_stride + head_dim]);
+      float total = 0.f;
+      float* dst = op + (s * num_heads + h * group + g) * head_dim;
+      std::fill(dst, dst + head_dim, 0.f);
+      for (int64_t p = 0; p < pieces; ++p) {
+        const float* part = first + p * piece_stride;
+        if (part[head_dim + 1] == 0.f) continue;   // an empty piece
+        const float w = std::exp(part[head_dim] - mx);
+        total += w * part[head_dim + 1];
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] += w * part[i];
+      }
+      const float inv = 1.f / total;
+      for (int64_t i = 0; i < head_dim; ++i) dst[i] *= inv;
+    }
+  }
   });
 }
 
