@@ -21,10 +21,12 @@ group are combined by taking the best head's score: a block matters if it matter
 any head that reads it.
 
 A sequence's retrieval-block summaries are scored in their *scoring rows* layout
-[KVH, M, S * (D + 2)], int8 (``scoring_rows``): every kind's score is then one batched product of
-the query's parts (``query_parts``) with the rows, which each decode step runs per layer
-and sequence. Three products in einsum's layout took as long as the step's sparse
-attention itself (benchmarks/RESULTS.md).
+[KVH, M, V * (D + 2)], int8 (``scoring_rows``): every kind's score is then one batched product of
+the query's parts (``query_parts``) with the rows' V vectors, which each decode step runs
+per layer and sequence. Three products in einsum's layout took as long as the step's
+sparse attention itself (benchmarks/RESULTS.md). ``hybrid`` scores from two vectors, not
+three: q . mean splits into q's negative and positive parts like the bound, so its rows
+hold lo + mean and hi + mean, and a step reads a third fewer bytes for the same score.
 """
 
 from __future__ import annotations
@@ -37,11 +39,18 @@ import torch
 from kvcache.kv_quant import dequantize_rows, quantize_rows
 
 _WIDTHS = {"mean": 1, "minmax": 2, "hybrid": 3}
+_SCORING_WIDTHS = {"mean": 1, "minmax": 2, "hybrid": 2}
 
 
 def summary_width(kind: str) -> int:
     """Vectors per (block, KV head): mean; min, max; or min, max, mean for ``hybrid``."""
     return _WIDTHS[kind]
+
+
+def scoring_width(kind: str) -> int:
+    """Vectors per (block, KV head) of a scoring row: mean; lo, hi; or lo + mean,
+    hi + mean for ``hybrid``."""
+    return _SCORING_WIDTHS[kind]
 
 
 def summarize(keys: torch.Tensor, counts: torch.Tensor, kind: str) -> torch.Tensor:
@@ -79,42 +88,45 @@ def combine(pool_summaries: torch.Tensor, per_block: int, kind: str) -> torch.Te
 
 
 def scoring_rows(summaries: torch.Tensor) -> torch.Tensor:
-    """Summaries [..., M, S, KVH, D] as ``score`` reads them: [..., KVH, M, S * (D + 2)]
-    int8, each vector a ``kv_quant`` row (its D values, then its fp16 scale).
+    """Summaries [..., M, S, KVH, D] (the kind by S: mean 1, minmax 2, hybrid 3) as
+    ``score`` reads them: [..., KVH, M, V * (D + 2)] int8 with V = ``scoring_width``, each
+    vector a ``kv_quant`` row (its D values, then its fp16 scale).
 
     A decode step reads every middle block's row in every layer, and at a small budget
     those reads cost as much as attending the selected tokens; int8 rows are a quarter of
-    fp32's bytes. The bounds round outward (lo down, hi up), so ``minmax`` still bounds
-    every key's logit; the mean rounds to nearest."""
+    fp32's bytes. The bounds round outward (lo down, hi up; for ``hybrid`` lo + mean down,
+    hi + mean up), so ``minmax`` still bounds every key's logit; the mean rounds to
+    nearest."""
     *lead, m, s, kvh, d = summaries.shape
-    rounding = (torch.floor, torch.ceil, torch.round) if s > 1 else (torch.round,)
-    rows = torch.stack([quantize_rows(v, r) for v, r in zip(summaries.unbind(-3), rounding)],
-                       dim=-3)
-    n = len(lead)
-    return rows.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, s * (d + 2))
+    vectors = summaries.unbind(-3)
+    if s == 3:   # hybrid: lo + mean, hi + mean
+        vectors = (vectors[0] + vectors[2], vectors[1] + vectors[2])
+    rounding = (torch.floor, torch.ceil) if s > 1 else (torch.round,)
+    rows = torch.stack([quantize_rows(v, r) for v, r in zip(vectors, rounding)], dim=-3)
+    n, v = len(lead), len(vectors)
+    return rows.permute(*range(n), n + 2, n, n + 1, n + 3).reshape(*lead, kvh, m, v * (d + 2))
 
 
 def row_vectors(rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """Scoring rows [..., S * (D + 2)] int8 as the fp32 vectors they hold, [..., S * D]."""
+    """Scoring rows [..., V * (D + 2)] int8 as the fp32 vectors they hold, [..., V * D]."""
     *lead, width = rows.shape
-    s = summary_width(kind)
+    s = scoring_width(kind)
     return dequantize_rows(rows.reshape(*lead, s, width // s), torch.float32).reshape(*lead, -1)
 
 
 def query_parts(query: torch.Tensor, kvh: int, kind: str) -> torch.Tensor:
-    """One token's query heads [H, D] as [KVH, G, S * D], matched to a scoring row's
-    vectors: ``q`` against the mean; against the bounds (lo, hi) its negative and
-    positive parts, since max(q_d * lo_d, q_d * hi_d) is q_d * hi_d where q_d > 0, else
-    q_d * lo_d."""
+    """One token's query heads [H, D] as [KVH, G, V * D], matched to a scoring row's
+    vectors: ``q`` against the mean; against the bounds (lo, hi), or hybrid's lo + mean
+    and hi + mean, its negative and positive parts, since max(q_d * lo_d, q_d * hi_d) is
+    q_d * hi_d where q_d > 0, else q_d * lo_d, and q . mean is the sum of the parts'."""
     q = query.float().view(kvh, -1, query.shape[-1])
     if kind == "mean":
         return q
-    bounds = (q.clamp(max=0), q.clamp(min=0))
-    return torch.cat(bounds if kind == "minmax" else (*bounds, q), dim=-1)
+    return torch.cat((q.clamp(max=0), q.clamp(min=0)), dim=-1)
 
 
 def score(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """Scores [KVH, M] of retrieval blocks (``rows`` [KVH, M, S * (D + 2)], ``scoring_rows``)
+    """Scores [KVH, M] of retrieval blocks (``rows`` [KVH, M, V * (D + 2)], ``scoring_rows``)
     for one token's query heads ``query`` [H, D]; higher means more attention expected."""
     parts = query_parts(query, rows.shape[0], kind)
     return torch.bmm(parts, row_vectors(rows, kind).transpose(1, 2)).amax(1)
@@ -129,7 +141,7 @@ class BlockSelector(Protocol):
     def select(self, queries: torch.Tensor, rows: Sequence[torch.Tensor],
                ks: Sequence[int]) -> list[torch.Tensor]:
         """Per row i: indices [KVH, min(ks[i], M_i)] (ascending per head) into the M_i
-        blocks of ``rows[i]`` [KVH, M_i, S * (D + 2)] (``scoring_rows``), for the query heads
+        blocks of ``rows[i]`` [KVH, M_i, V * (D + 2)] (``scoring_rows``), for the query heads
         ``queries[i]`` [H, D]."""
         ...
 

@@ -47,7 +47,7 @@ class TableSelector(Protocol):
 class SeqTierState:
     """A long sequence's tiers on this worker (see ``TierChange``).
 
-    ``summaries`` [L, KVH, capacity, S * (D + 2)] holds the summaries of its first
+    ``summaries`` [L, KVH, capacity, V * (D + 2)] holds the summaries of its first
     ``num_summarized`` middle retrieval blocks as (int8) scoring rows (``scoring_rows``),
     combined once when a block joins the middle: a block's keys never change after that,
     and a step then scores the middle without re-reading pool summaries, whether the
@@ -200,7 +200,7 @@ class _SparseRow:
 
     @property
     def scoring_rows(self) -> torch.Tensor:
-        """[L, KVH, M, S * (D + 2)]: the middle's summaries in every layer."""
+        """[L, KVH, M, V * (D + 2)]: the middle's summaries in every layer."""
         return self.state.summaries[:, :, :self.middle.shape[0]]
 
 

@@ -64,9 +64,12 @@ def test_scores_against_key_by_key_logits():
     same_logit = _logits(same, query)[..., 0].amax(1)
     assert (same_bound >= same_logit - 1e-5).all()
     assert (same_bound - same_logit <= _error(query, _step(keys[:, 0]), 1.0)).all()
+    # hybrid: the bound plus the mean logit, from int8 rows of lo + mean and hi + mean.
     hybrid = score(query, scoring_rows(summarize(keys, counts, "hybrid")), "hybrid")
     per_head = bound_per_head(query, keys) + logits.mean(-1)
-    assert ((hybrid - per_head.amax(1)).abs() <= bound_err + mean_err).all()
+    lo, hi, mean = keys.amin(1), keys.amax(1), keys.mean(1)
+    hybrid_err = _error(query, torch.maximum(_step(lo + mean), _step(hi + mean)), 1.0)
+    assert ((hybrid - per_head.amax(1)).abs() <= hybrid_err).all()
 
 
 def test_bounds_round_outward():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcache.block_summary import row_vectors, scoring_rows, summary_width
+from kvcache.block_summary import row_vectors, scoring_rows, scoring_width
 from kvcache.long_context import SUMMARY_KINDS
 from workers.ops.cpu_kernels import CpuBlockSelector, load_cpu_kernels
 
@@ -29,14 +29,14 @@ def summaries(m: int, kind: str, g: torch.Generator, kvh: int = KVH, d: int = D)
 
 
 def exact_scores(query: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """[KVH, M] float64 from the vectors ``rows`` hold: the best of each KV head's query
-    heads, by definition."""
+    """[KVH, M] float64 from the vectors ``rows`` hold (hybrid's lo + mean and hi + mean
+    score as a bound does): the best of each KV head's query heads, by definition."""
     kvh, m, _ = rows.shape
-    v = row_vectors(rows, kind).double().view(kvh, 1, m, summary_width(kind), -1)
+    v = row_vectors(rows, kind).double().view(kvh, 1, m, scoring_width(kind), -1)
     q = query.double().view(kvh, -1, 1, v.shape[-1])                # [KVH, G, 1, D]
-    mean = (q * v[..., -1, :]).sum(-1)
-    bound = torch.maximum(q * v[..., 0, :], q * v[..., 1, :]).sum(-1) if kind != "mean" else 0
-    return {"mean": mean, "minmax": bound, "hybrid": bound + mean}[kind].amax(1)
+    if kind == "mean":
+        return (q * v[..., 0, :]).sum(-1).amax(1)
+    return torch.maximum(q * v[..., 0, :], q * v[..., 1, :]).sum(-1).amax(1)
 
 
 def strided(rows: torch.Tensor) -> torch.Tensor:

@@ -20,12 +20,13 @@
 
 namespace {
 
-// Summary kinds in kvcache.long_context.SUMMARY_KINDS order, by their vectors per block: mean (1);
-// minmax (2: lo, hi); hybrid (3: lo, hi, mean).
-constexpr int64_t kVectors[] = {1, 2, 3};
+// Summary kinds in kvcache.long_context.SUMMARY_KINDS order, by their scoring rows'
+// vectors per block (block_summary.scoring_width): mean (1); minmax (2: lo, hi); hybrid
+// (2: lo + mean, hi + mean).
+constexpr int64_t kVectors[] = {1, 2, 2};
 
 // The query heads [H, D] as parts matched to a scoring row's vectors (query_parts):
-// q against the mean, its negative and positive parts against the bounds (lo, hi).
+// q against the mean, its negative and positive parts against the other kinds' two.
 void query_parts(const float* q, int64_t heads, int64_t dim, int64_t kind, float* parts) {
   const int64_t width = kVectors[kind] * dim;
   for (int64_t h = 0; h < heads; ++h) {
@@ -38,7 +39,6 @@ void query_parts(const float* q, int64_t heads, int64_t dim, int64_t kind, float
       }
       ph[d] = std::min(qh[d], 0.f);
       ph[dim + d] = std::max(qh[d], 0.f);
-      if (kind == 2) ph[2 * dim + d] = qh[d];
     }
   }
 }
@@ -139,7 +139,7 @@ void score_blocks(const Task& task, int64_t first, int64_t count, int64_t vector
   }
 }
 
-// Per row r: indices [KVH, min(k_r, M_r)] of the blocks of rows[r] [KVH, M_r, S * (D + 2)]
+// Per row r: indices [KVH, min(k_r, M_r)] of the blocks of rows[r] [KVH, M_r, V * (D + 2)]
 // (an int8 scoring-row view; its last dimension contiguous) that score highest for queries[r]
 // [H, D]: a block's score is the best of the KV head's group of query heads. Scoring is
 // split over the threads by blocks, not by (row, KV head): at batch 1 three KV heads on
@@ -171,7 +171,7 @@ std::vector<at::Tensor> select_rows(const at::Tensor& queries, at::IntArrayRef q
     TORCH_CHECK(row.scalar_type() == at::kChar && row.dim() == 3 &&
                     row.size(2) == kVectors[kind] * (dim + 2) && row.stride(2) == 1 &&
                     row.size(0) > 0 && heads % row.size(0) == 0,
-                "select_blocks: each rows tensor must be int8 [KVH, M, S * (D + 2)] with a "
+                "select_blocks: each rows tensor must be int8 [KVH, M, V * (D + 2)] with a "
                 "contiguous last dimension and KVH dividing the query heads");
     TORCH_CHECK(ks[r] > 0, "select_blocks: k must be positive");
     out[r] = at::empty({row.size(0), std::min(ks[r], row.size(1))},
