@@ -291,9 +291,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   // rescales every piece to the context's max, as split-K decoding does.
   const int64_t contexts = num_seqs * kv_heads;
   const int64_t pieces = pieces_per_context(contexts, max_len);
-  // A part per (task, query head): acc[head_dim], max, sum. Parts start on 64-byte lines:
-  // accumulate() loads and stores acc once per block, and a store split over two lines
-  // stalls the next block's load (~5% of a batch-8 call when they were packed).
+  // A part per (task, query head): acc[head_dim], max, sum, each part on its own 64-byte
+  // lines (at::empty aligns to 64), so two threads' parts never share a line.
   const int64_t part_width = (head_dim + 2 + 15) / 16 * 16;
   const at::Tensor parts_buffer = at::empty({contexts * pieces * group, part_width},
                                             q.options());
@@ -364,29 +363,29 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
     }
   });
   // Merge: out = sum_p exp(max_p - max) acc_p / sum_p exp(max_p - max) sum_p.
-  constexpr int64_t kMergeGrain = 64;   // contexts per thread: a merge is ~100 ns
+  constexpr int64_t kMergeGrain = 64;   // contexts per thread: a merge is a few hundred flops
   at::parallel_for(0, contexts, kMergeGrain, [&](int64_t begin, int64_t end) {
-  for (int64_t context = begin; context < end; ++context) {
-    const int64_t s = context / kv_heads, h = context % kv_heads;
-    for (int64_t g = 0; g < group; ++g) {
-      const float* first = parts + (context * pieces * group + g) * part_width;
-      const int64_t piece_stride = group * part_width;
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, first[p * piece_stride + head_dim]);
-      float total = 0.f;
-      float* dst = op + (s * num_heads + h * group + g) * head_dim;
-      std::fill(dst, dst + head_dim, 0.f);
-      for (int64_t p = 0; p < pieces; ++p) {
-        const float* part = first + p * piece_stride;
-        if (part[head_dim + 1] == 0.f) continue;   // an empty piece
-        const float w = std::exp(part[head_dim] - mx);
-        total += w * part[head_dim + 1];
-        for (int64_t i = 0; i < head_dim; ++i) dst[i] += w * part[i];
+    for (int64_t context = begin; context < end; ++context) {
+      const int64_t s = context / kv_heads, h = context % kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* first = parts + (context * pieces * group + g) * part_width;
+        const int64_t piece_stride = group * part_width;
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < pieces; ++p) mx = std::max(mx, first[p * piece_stride + head_dim]);
+        float total = 0.f;
+        float* dst = op + (s * num_heads + h * group + g) * head_dim;
+        std::fill(dst, dst + head_dim, 0.f);
+        for (int64_t p = 0; p < pieces; ++p) {
+          const float* part = first + p * piece_stride;
+          if (part[head_dim + 1] == 0.f) continue;   // an empty piece
+          const float w = std::exp(part[head_dim] - mx);
+          total += w * part[head_dim + 1];
+          for (int64_t i = 0; i < head_dim; ++i) dst[i] += w * part[i];
+        }
+        const float inv = 1.f / total;
+        for (int64_t i = 0; i < head_dim; ++i) dst[i] *= inv;
       }
-      const float inv = 1.f / total;
-      for (int64_t i = 0; i < head_dim; ++i) dst[i] *= inv;
     }
-  }
   });
 }
 
