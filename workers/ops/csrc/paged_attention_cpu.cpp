@@ -315,9 +315,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
       const int64_t lo = first * block_size, hi = std::min(len, last * block_size);
       const int64_t span = std::max<int64_t>(0, hi - lo);
       float* part = parts + task * group * part_width;
-      if (span == 0) {   // a piece past a short context's end
+      if (span == 0) {   // a piece past a short context's end: the merge skips its acc
         for (int64_t g = 0; g < group; ++g) {
-          std::fill(part + g * part_width, part + g * part_width + head_dim, 0.f);
           part[g * part_width + head_dim] = -INFINITY;
           part[g * part_width + head_dim + 1] = 0.f;
         }
