@@ -39,6 +39,10 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
+    def record(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.queried_tokens += queried_tokens
+        self.hit_tokens += hit_tokens
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
@@ -88,8 +92,7 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks - reusable:
             return None
         if prefix is not None:
-            self.stats.queried_tokens += len(token_ids)
-            self.stats.hit_tokens += prefix.num_tokens
+            self.stats.record(len(token_ids), prefix.num_tokens)
         self.pool.share(hit)
         fresh = self.pool.allocate(max(need, 0)) or []
         added = hit + fresh
@@ -104,7 +107,8 @@ class KVCacheManager:
         receive the rest, in order). The fresh blocks enter the prefix cache only at
         ``commit``, once their KV has arrived. ``skip`` (first, end): table indices whose
         KV goes to another tier instead; they get -1 and no block (a prefix hit stops
-        before them). None when the pool is short (nothing changed).
+        before them). None when the pool is short (nothing changed). The caller records
+        the hit in ``stats``: only it knows which cached blocks came for this sequence.
         """
         first, end = skip or (0, 0)
         hit = self.find_cached_prefix(seq_id, token_ids[:num_tokens + 1])
@@ -114,8 +118,6 @@ class KVCacheManager:
         if need > self.pool.num_free_blocks - reusable:
             self._seqs.pop(seq_id, None)
             return None
-        self.stats.queried_tokens += num_tokens
-        self.stats.hit_tokens += len(hit_ids) * self.block_size
         self.pool.share(hit_ids)
         fresh = self.pool.allocate(need) or []
         entry = self._entry(seq_id)

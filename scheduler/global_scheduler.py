@@ -347,10 +347,12 @@ class GlobalScheduler:
         submitted here, before the source's next step, so it never waits behind another
         prefill.
         """
-        holder = self.pushes.holder(seq) if self.pushes is not None else None
+        pushed = self.pushes.holder(seq) if self.pushes is not None else None
+        holder = pushed.dst if pushed else None
         handoff = None
         for dst in dict.fromkeys(w for w in (holder, decode_target(self.workers, src)) if w):
-            handoff = Handoff.begin(src, dst, seq, self.config.block_size)
+            moved = pushed.moved if pushed and dst is holder else 0
+            handoff = Handoff.begin(src, dst, seq, self.config.block_size, moved)
             if handoff is not None:
                 break
         if handoff is None:

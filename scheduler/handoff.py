@@ -51,10 +51,14 @@ class Handoff:
     export: KVExport | None   # None: the receiver's prefix cache held everything
 
     @classmethod
-    def begin(cls, src: CellWorker, dst: CellWorker, seq: Sequence,
-              block_size: int) -> Handoff | None:
+    def begin(cls, src: CellWorker, dst: CellWorker, seq: Sequence, block_size: int,
+              pushed: int = 0) -> Handoff | None:
         """Reserve room on ``dst``, take ``seq`` out of ``src``'s batch (its blocks stay)
-        and submit the export; None, with nothing changed, when ``dst`` has no room."""
+        and submit the export; None, with nothing changed, when ``dst`` has no room.
+
+        ``pushed``: leading blocks that prefix pushes moved to ``dst`` for this sequence.
+        Found in its prefix cache, they count in its hit rate as moved, not as hits.
+        """
         tiers = dst.batch.tiers
         # A sequence that will decode in offload mode sends its middle to the host tier.
         middle = tiers.middle_to_receive(seq.num_computed_tokens + 1) if tiers else None
@@ -62,6 +66,7 @@ class Handoff:
         if reserved is None:
             return None
         cached, fresh = reserved
+        dst.kv.stats.record(seq.num_computed_tokens, max(len(cached) - pushed, 0) * block_size)
         host = HostRows(middle[0] - len(cached), tiers.receive(seq.seq_id, middle)) \
             if middle else HostRows(0, [])
         src.batch.detach(seq.seq_id)

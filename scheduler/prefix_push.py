@@ -37,13 +37,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Pushed:
+class Pushed:
     """One prefilling sequence's pushes: its first ``blocks`` blocks are in ``dst``'s
-    prefix cache; ``moving`` while a push is in flight."""
+    prefix cache, ``moved`` of them sent by pushes (the rest were cached there already);
+    ``moving`` while a push is in flight."""
 
     src: CellWorker
     dst: CellWorker
     blocks: int = 0
+    moved: int = 0
     moving: bool = False
 
 
@@ -54,7 +56,7 @@ class PrefixPushes:
         self.block_size = block_size
         self.timeout_s = timeout_s
         self._spawn = spawn
-        self._seqs: dict[str, _Pushed] = {}
+        self._seqs: dict[str, Pushed] = {}
 
     def after_step(self, src: CellWorker, workers: list[CellWorker]) -> None:
         """Push the full blocks that ``src``'s last step finished, for its sequences
@@ -65,15 +67,15 @@ class PrefixPushes:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 self._push(src, seq, workers)
 
-    def holder(self, seq: Sequence) -> CellWorker | None:
-        """The serving worker holding (or receiving) ``seq``'s pushed blocks, where its
-        handoff should go; None when nothing was pushed (a target with no room, or one
-        that would not keep them, is no reason to prefer it). Forgets the sequence: its
-        pushes are over."""
+    def holder(self, seq: Sequence) -> Pushed | None:
+        """``seq``'s pushes to the serving worker holding (or receiving) its pushed
+        blocks, where its handoff should go; None when nothing was pushed (a target with
+        no room, or one that would not keep them, is no reason to prefer it). Forgets the
+        sequence: its pushes are over."""
         pushed = self._seqs.pop(seq.seq_id, None)
         if pushed is None or not (pushed.blocks or pushed.moving) or not pushed.dst.serving:
             return None
-        return pushed.dst
+        return pushed
 
     def _push(self, src: CellWorker, seq: Sequence, workers: list[CellWorker]) -> None:
         full = seq.num_computed_tokens // self.block_size
@@ -82,7 +84,7 @@ class PrefixPushes:
             dst = decode_target(workers, src)
             if dst is None:
                 return
-            pushed = self._seqs[seq.seq_id] = _Pushed(src, dst)
+            pushed = self._seqs[seq.seq_id] = Pushed(src, dst)
         dst = pushed.dst
         if pushed.moving or full <= pushed.blocks or not _takes(dst, seq):
             return
@@ -99,7 +101,7 @@ class PrefixPushes:
         pushed.moving = True
         self._spawn(self._run(pushed, seq, push_id, fresh, export, full))
 
-    async def _run(self, pushed: _Pushed, seq: Sequence, push_id: str, fresh: list[int],
+    async def _run(self, pushed: Pushed, seq: Sequence, push_id: str, fresh: list[int],
                    export: KVExport, full: int) -> None:
         """Move one push, then commit its blocks to the receiver's prefix cache (only
         if it moved) and release them there."""
@@ -116,6 +118,7 @@ class PrefixPushes:
         else:
             dst.kv.commit(push_id, seq.token_ids, full * self.block_size)
             pushed.blocks = full
+            pushed.moved += len(fresh)
             for stats in (src.sent, dst.received):
                 stats.pushes += 1
                 stats.pushed_bytes += info.nbytes

@@ -282,6 +282,6 @@ def test_reserve_reuses_cached_leading_blocks_and_caches_only_on_commit():
     kv.free("x")
     cached, fresh = kv.reserve("y", tokens[:40] + [1] * 20 + [7], 60)
     assert (len(cached), len(fresh)) == (2, 2)
-    assert kv.stats.hit_tokens == 32
+    assert kv.stats.queried_tokens == 0   # the caller records the hit
     assert kv.reserve("z", list(range(400)), 399) is None   # 25 blocks > 16: no change
     assert kv.pool.num_used_blocks == 4

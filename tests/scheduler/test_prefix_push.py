@@ -77,13 +77,18 @@ def test_a_chunked_prompt_pushes_its_finished_blocks_and_hands_off_the_rest(tiny
         assert (received.pushes, received.pushed_bytes) == (3, 6 * block_bytes)
         assert (sent.count, sent.bytes) == (2, 3 * block_bytes)
         assert sent.failures == sent.push_failures == 0
-        assert stats.workers[1].prefix_hit_rate > 0   # the handoff found the pushed blocks
+        # The handoff finds the pushed blocks in the prefix cache, but they travelled:
+        # no hit, as without pushes (both prompts' 120 tokens asked for).
+        decode = stats.workers[1]
+        assert (decode.prefix_queried_tokens, decode.prefix_hit_tokens) == (120, 0)
         assert all(w.num_used_blocks == 0 for w in stats.workers)
 
         off, off_stats, _ = await _run(path, ["prefill", "decode"], prefix_push=False)
         assert off == alone
         sent = off_stats.workers[0].kv_sent
         assert sent.pushes == 0 and (sent.count, sent.bytes) == (2, 9 * block_bytes)
+        decode = off_stats.workers[1]
+        assert (decode.prefix_queried_tokens, decode.prefix_hit_tokens) == (120, 0)
 
     asyncio.run(main())
 
