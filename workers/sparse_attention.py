@@ -255,8 +255,6 @@ class SparseStep:
         if any(st is not None and st.mode is not KVMode.DENSE for st, _ in decodes):
             self.meta = self._layout(decodes, meta)
         # What every layer's selection reads and writes, made once a step.
-        self.row_ids = torch.as_tensor([sr.row for sr in self.rows],
-                                       device=meta.decode_block_tables.device)
         self.layer_rows = [sr.scoring_rows.unbind(0) for sr in self.rows]
         self.offloaded = [sr for sr in self.rows if sr.state.mode is KVMode.OFFLOAD]
         # Selection and table write in one call, for steps whose rows are all in the pool:
@@ -265,6 +263,13 @@ class SparseStep:
                        [sr.middle for sr in self.rows], [sr.first for sr in self.rows])
                       if isinstance(owner.selector, TableSelector) and self.rows
                       and not self.offloaded else None)
+
+    @functools.cached_property
+    def row_ids(self) -> torch.Tensor:
+        """The sparse rows' batch rows, for the layers that select apart from the table
+        write (the one-call path takes them as a list)."""
+        return torch.as_tensor([sr.row for sr in self.rows],
+                               device=self.meta.decode_block_tables.device)
 
     @functools.cached_property
     def placement(self) -> _Placement | None:
