@@ -101,18 +101,27 @@ class KVCacheManager:
         return added
 
     def reserve(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
-                skip: tuple[int, int] | None = None) -> tuple[list[int], list[int]] | None:
+                skip: tuple[int, int] | None = None,
+                arriving: tuple[int, list[int]] | None = None
+                ) -> tuple[list[int], list[int]] | None:
         """Blocks for a sequence whose first ``num_tokens`` tokens of KV come from another
-        pool: (leading blocks this pool's prefix cache already holds, fresh blocks to
-        receive the rest, in order). The fresh blocks enter the prefix cache only at
-        ``commit``, once their KV has arrived. ``skip`` (first, end): table indices whose
-        KV goes to another tier instead; they get -1 and no block (a prefix hit stops
-        before them). None when the pool is short (nothing changed). The caller records
-        the hit in ``stats``: only it knows which cached blocks came for this sequence.
+        pool: (leading blocks this pool already holds, fresh blocks to receive the rest,
+        in order). The fresh blocks enter the prefix cache only at ``commit``, once their
+        KV has arrived. ``skip`` (first, end): table indices whose KV goes to another
+        tier instead; they get -1 and no block (a prefix hit stops before them).
+        ``arriving`` (first, block ids): blocks another transfer is still filling with
+        the sequence's blocks from table index ``first`` on (a prefix push); when the
+        cached prefix ends there, they are shared rather than reserved again, and the
+        caller must not commit before that transfer has. None when the pool is short
+        (nothing changed). The caller records the hit in ``stats``: only it knows which
+        cached blocks came for this sequence.
         """
         first, end = skip or (0, 0)
         hit = self.find_cached_prefix(seq_id, token_ids[:num_tokens + 1])
         hit_ids = hit.block_ids[:first] if skip else hit.block_ids
+        registered = len(hit_ids)
+        if arriving is not None and arriving[0] == registered and skip is None:
+            hit_ids = hit_ids + arriving[1][:self.num_blocks_needed(num_tokens) - registered]
         need = self.num_blocks_needed(num_tokens) - len(hit_ids) - (end - first)
         reusable = sum(1 for b in hit_ids if self.pool.ref_count(b) == 0)
         if need > self.pool.num_free_blocks - reusable:
@@ -123,7 +132,7 @@ class KVCacheManager:
         entry = self._entry(seq_id)
         before = first - len(hit_ids) if skip else len(fresh)
         entry.block_ids = hit_ids + fresh[:before] + [-1] * (end - first) + fresh[before:]
-        entry.num_cached = len(hit_ids)
+        entry.num_cached = registered
         return hit_ids, fresh
 
     def commit(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:

@@ -351,8 +351,8 @@ class GlobalScheduler:
         holder = pushed.dst if pushed else None
         handoff = None
         for dst in dict.fromkeys(w for w in (holder, decode_target(self.workers, src)) if w):
-            moved = pushed.moved if pushed and dst is holder else 0
-            handoff = Handoff.begin(src, dst, seq, self.config.block_size, moved)
+            ahead = (pushed.moved, pushed.in_flight) if pushed and dst is holder else (0, None)
+            handoff = Handoff.begin(src, dst, seq, self.config.block_size, *ahead)
             if handoff is not None:
                 break
         if handoff is None:

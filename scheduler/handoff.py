@@ -4,7 +4,9 @@ The receiver reserves blocks (reusing its own prefix cache), the sender exports 
 the rest through the transport the two workers share (``kvcache.kv_transport``: shared
 memory on one node, else the object store, in parts), the receiver imports that
 export; the sender frees its blocks (they stay in
-its prefix cache) only after the receiver has acknowledged. Bytes never pass here: the
+its prefix cache) only after the receiver has acknowledged. Blocks a prefix push is
+still moving to the receiver are shared, not sent twice: the handoff waits for that
+push and sends them itself only if it failed. Bytes never pass here: the
 sender's handle makes an export and the receiver's handle takes it. A prefilled
 sequence leaving a prefill worker and a running one leaving a draining worker move
 the same way.
@@ -41,6 +43,16 @@ class HostRows:
     block_ids: list[int]
 
 
+@dataclass
+class InFlightPush:
+    """A prefix push still moving: it fills the receiver's ``block_ids``, the sequence's
+    blocks from table index ``first`` on; ``landed`` says whether it moved them."""
+
+    first: int
+    block_ids: list[int]
+    landed: asyncio.Future[bool]
+
+
 @dataclass(eq=False)
 class Handoff:
     src: CellWorker
@@ -48,24 +60,35 @@ class Handoff:
     seq: Sequence
     fresh: list[int]          # receiver blocks the export fills
     host: HostRows
-    export: KVExport | None   # None: the receiver's prefix cache held everything
+    export: KVExport | None   # None: the receiver held everything already
+    block_size: int
+    push: InFlightPush | None = None   # a push still filling blocks this handoff shares
 
     @classmethod
     def begin(cls, src: CellWorker, dst: CellWorker, seq: Sequence, block_size: int,
-              pushed: int = 0) -> Handoff | None:
+              pushed: int = 0, in_flight: InFlightPush | None = None) -> Handoff | None:
         """Reserve room on ``dst``, take ``seq`` out of ``src``'s batch (its blocks stay)
         and submit the export; None, with nothing changed, when ``dst`` has no room.
 
         ``pushed``: leading blocks that prefix pushes moved to ``dst`` for this sequence.
         Found in its prefix cache, they count in its hit rate as moved, not as hits.
+        ``in_flight``: a push to ``dst`` still moving the blocks after those. The handoff
+        shares its blocks instead of sending them again, waits for it, and sends them
+        itself only if it failed.
         """
         tiers = dst.batch.tiers
         # A sequence that will decode in offload mode sends its middle to the host tier.
         middle = tiers.middle_to_receive(seq.num_computed_tokens + 1) if tiers else None
-        reserved = dst.kv.reserve(seq.seq_id, seq.token_ids, seq.num_computed_tokens, middle)
+        arriving = (in_flight.first, in_flight.block_ids) if in_flight else None
+        reserved = dst.kv.reserve(seq.seq_id, seq.token_ids, seq.num_computed_tokens, middle,
+                                  arriving)
         if reserved is None:
             return None
         cached, fresh = reserved
+        push = None
+        if in_flight is not None and cached[in_flight.first:][:1] == in_flight.block_ids[:1]:
+            push = InFlightPush(in_flight.first, cached[in_flight.first:], in_flight.landed)
+            pushed += len(push.block_ids)
         dst.kv.stats.record(seq.num_computed_tokens, max(len(cached) - pushed, 0) * block_size)
         host = HostRows(middle[0] - len(cached), tiers.receive(seq.seq_id, middle)) \
             if middle else HostRows(0, [])
@@ -73,7 +96,7 @@ class Handoff:
         count = len(fresh) + len(host.block_ids)
         export = submit_export(src, dst, seq, len(cached), count, block_size) if count else None
         src.outgoing += 1
-        return cls(src, dst, seq, fresh, host, export)
+        return cls(src, dst, seq, fresh, host, export, block_size, push)
 
     async def run(self, timeout_s: float) -> Outcome:
         """Move the KV. Failures are counted and logged."""
@@ -89,6 +112,10 @@ class Handoff:
                     stats.export_seconds += exported - start
                     kind = info.label
                     stats.transports[kind] = stats.transports.get(kind, 0) + 1
+            if self.push is not None:
+                resent = await self._after_push(timeout_s)
+                for stats in (self.src.sent, self.dst.received):
+                    stats.bytes += resent
             return Outcome.MOVED
         except asyncio.TimeoutError:
             log.warning("KV transfer of %s from %s to %s took over %.1f s: abandoned",
@@ -122,6 +149,19 @@ class Handoff:
     async def _move(self) -> tuple[HandoffInfo, float]:
         assert self.export is not None
         return await move(self.export, self.dst, self.fresh, self.host)
+
+    async def _after_push(self, timeout_s: float) -> int:
+        """Once the push filling the shared blocks has landed: the bytes sent again
+        because it failed (0 when it moved them)."""
+        assert self.push is not None
+        p = self.push
+        if await asyncio.wait_for(asyncio.shield(p.landed), timeout_s):
+            return 0
+        export = submit_export(self.src, self.dst, self.seq, p.first, len(p.block_ids),
+                               self.block_size)
+        info, _ = await asyncio.wait_for(move(export, self.dst, p.block_ids, HostRows(0, [])),
+                                         timeout_s)
+        return info.nbytes
 
 
 async def move(export: KVExport, dst: CellWorker, fresh: list[int],

@@ -7,13 +7,14 @@ blocks not yet sent move to the decode worker the sequence will go to, into that
 worker's prefix cache: reserved there, filled by the export and import a handoff uses,
 then committed and released, so they are cached blocks that no sequence holds. When the
 last chunk samples the first token, the handoff goes to that worker (``holder``), finds
-those blocks in its prefix cache and moves only the rest. The wait between the first and
+those blocks in its prefix cache (and shares the blocks of a push still moving) and
+moves only the rest. The wait between the first and
 the second token then holds one chunk's copy instead of the whole prompt's: the copy
 overlaps the prefill, as layer-wise KV streaming does in other P/D systems, here at the
 granularity of a chunk.
 
-Nothing here can change a token. A push that fails or times out commits nothing; blocks
-the decode worker evicts before the handoff are sent again by the handoff. Pushes skip
+Nothing here can change a token. A push that fails or times out commits nothing; its
+blocks, and those the decode worker evicts before the handoff, are sent by the handoff. Pushes skip
 pools without prefix caching and sequences that will arrive in offload mode (their
 middle goes to the host tier, not to the pool).
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.cell_worker import CellWorker
-from scheduler.handoff import HostRows, move, submit_export
+from scheduler.handoff import HostRows, InFlightPush, move, submit_export
 from scheduler.placement import decode_target
 from scheduler.sequence import Sequence
 from scheduler.worker_handle import KVExport
@@ -40,13 +41,13 @@ log = logging.getLogger(__name__)
 class Pushed:
     """One prefilling sequence's pushes: its first ``blocks`` blocks are in ``dst``'s
     prefix cache, ``moved`` of them sent by pushes (the rest were cached there already);
-    ``moving`` while a push is in flight."""
+    ``in_flight`` while a push moves the next ones."""
 
     src: CellWorker
     dst: CellWorker
     blocks: int = 0
     moved: int = 0
-    moving: bool = False
+    in_flight: InFlightPush | None = None
 
 
 class PrefixPushes:
@@ -73,20 +74,20 @@ class PrefixPushes:
         no room, or one that would not keep them, is no reason to prefer it). Forgets the
         sequence: its pushes are over."""
         pushed = self._seqs.pop(seq.seq_id, None)
-        if pushed is None or not (pushed.blocks or pushed.moving) or not pushed.dst.serving:
+        if pushed is None or not (pushed.blocks or pushed.in_flight) or not pushed.dst.serving:
             return None
         return pushed
 
     def _push(self, src: CellWorker, seq: Sequence, workers: list[CellWorker]) -> None:
         full = seq.num_computed_tokens // self.block_size
         pushed = self._seqs.get(seq.seq_id)
-        if pushed is None or not (pushed.moving or pushed.dst.serving):
+        if pushed is None or not (pushed.in_flight or pushed.dst.serving):
             dst = decode_target(workers, src)
             if dst is None:
                 return
             pushed = self._seqs[seq.seq_id] = Pushed(src, dst)
         dst = pushed.dst
-        if pushed.moving or full <= pushed.blocks or not _takes(dst, seq):
+        if pushed.in_flight or full <= pushed.blocks or not _takes(dst, seq):
             return
         push_id = f"push:{seq.seq_id}"
         reserved = dst.kv.reserve(push_id, seq.token_ids, full * self.block_size)
@@ -98,15 +99,18 @@ class PrefixPushes:
             pushed.blocks = full
             return
         export = submit_export(src, dst, seq, len(cached), len(fresh), self.block_size)
-        pushed.moving = True
+        pushed.in_flight = InFlightPush(len(cached), fresh,
+                                        asyncio.get_running_loop().create_future())
         self._spawn(self._run(pushed, seq, push_id, fresh, export, full))
 
     async def _run(self, pushed: Pushed, seq: Sequence, push_id: str, fresh: list[int],
                    export: KVExport, full: int) -> None:
         """Move one push, then commit its blocks to the receiver's prefix cache (only
-        if it moved) and release them there."""
+        if it moved), release them there and say how it went to a handoff sharing
+        them."""
         src, dst = pushed.src, pushed.dst
         start = time.perf_counter()
+        moved = False
         try:
             info, _ = await asyncio.wait_for(move(export, dst, fresh, HostRows(0, [])),
                                              self.timeout_s)
@@ -116,6 +120,7 @@ class PrefixPushes:
             for stats in (src.sent, dst.received):
                 stats.push_failures += 1
         else:
+            moved = True
             dst.kv.commit(push_id, seq.token_ids, full * self.block_size)
             pushed.blocks = full
             pushed.moved += len(fresh)
@@ -124,7 +129,9 @@ class PrefixPushes:
                 stats.pushed_bytes += info.nbytes
                 stats.push_seconds += time.perf_counter() - start
         dst.kv.free(push_id)
-        pushed.moving = False
+        landed, pushed.in_flight = pushed.in_flight, None
+        if landed is not None:
+            landed.landed.set_result(moved)
 
 
 def _takes(dst: CellWorker, seq: Sequence) -> bool:

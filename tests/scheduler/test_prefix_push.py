@@ -14,6 +14,7 @@ import asyncio
 
 import torch
 
+from kvcache.kv_transfer import KVTransferError
 from scheduler.config import SchedulerConfig
 from scheduler.stats import CellStats
 from tests.scheduler.test_global_scheduler import _prompt, _scheduler, _serve
@@ -23,10 +24,24 @@ PROMPTS = {"long": _prompt(3, 100), "short": _prompt(4, 20)}
 
 
 async def _run(path: str, roles: list[str], corrupt_first: bool = False,
-               prompts: dict[str, list[int]] = PROMPTS,
+               prompts: dict[str, list[int]] = PROMPTS, late_third_push: str = "",
                **kw) -> tuple[dict[str, list[int]], CellStats, int]:
-    """The requests' tokens, the cell's stats and the KV bytes of one pool block."""
+    """The requests' tokens, the cell's stats and the KV bytes of one pool block.
+    ``late_third_push``: the third import into the last worker (the third push) lands
+    after the first token's step, ``"lands"`` whole or ``"fails"`` (refused)."""
     gs, handles = _scheduler(path, roles, batch=CHUNKED, **kw)
+    if late_third_push:
+        imports, calls = handles[-1].import_kv, []
+
+        async def late_import(*args):
+            calls.append(args)
+            if len(calls) == 3:
+                await asyncio.sleep(1.5)
+                if late_third_push == "fails":
+                    raise KVTransferError("refused in the test")
+            return await imports(*args)
+
+        handles[-1].import_kv = late_import
     step = handles[0].step
 
     async def slow_step(plan: bytes) -> bytes:
@@ -131,5 +146,35 @@ def test_the_handoff_goes_to_the_worker_holding_the_pushed_blocks(tiny_factory):
         assert (d1.count, d1.bytes, d1.pushes) == (1, 2 * block_bytes, 0)
         assert (d2.pushes, d2.pushed_bytes) == (2, 4 * block_bytes)
         assert (d2.count, d2.bytes) == (1, 3 * block_bytes)
+
+    asyncio.run(main())
+
+
+def test_a_push_still_moving_at_the_first_token_is_shared_not_sent_again(tiny_factory):
+    """The third push lands 1.5 s late, after the step that samples the first token:
+    the handoff shares the blocks it fills, waits for it and sends only the 7th block,
+    as when every push landed in time. When that push fails instead, the handoff sends
+    its two blocks itself, and nothing is recomputed."""
+    path = tiny_factory("llama").path
+
+    async def main() -> None:
+        alone, _, _ = await _run(path, ["mixed"])
+        out, stats, block_bytes = await _run(path, ["prefill", "decode"],
+                                             late_third_push="lands")
+        assert out == alone
+        sent, decode = stats.workers[0].kv_sent, stats.workers[1]
+        assert (sent.pushes, sent.pushed_bytes, sent.push_failures) == (3, 6 * block_bytes, 0)
+        assert (sent.count, sent.bytes, sent.failures) == (2, 3 * block_bytes, 0)
+        assert (decode.prefix_queried_tokens, decode.prefix_hit_tokens) == (120, 0)
+        assert stats.num_recovered == 0
+        assert all(w.num_used_blocks == 0 for w in stats.workers)
+
+        out, stats, _ = await _run(path, ["prefill", "decode"], late_third_push="fails")
+        assert out == alone
+        sent = stats.workers[0].kv_sent
+        assert (sent.pushes, sent.pushed_bytes, sent.push_failures) == (2, 4 * block_bytes, 1)
+        assert (sent.count, sent.bytes, sent.failures) == (2, 5 * block_bytes, 0)
+        assert stats.num_recovered == 0
+        assert all(w.num_used_blocks == 0 for w in stats.workers)
 
     asyncio.run(main())
