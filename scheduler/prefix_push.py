@@ -8,15 +8,14 @@ worker's prefix cache: reserved there, filled by the export and import a handoff
 then committed and released, so they are cached blocks that no sequence holds. When the
 last chunk samples the first token, the handoff goes to that worker (``holder``), finds
 those blocks in its prefix cache (and shares the blocks of a push still moving) and
-moves only the rest. The wait between the first and
-the second token then holds one chunk's copy instead of the whole prompt's: the copy
-overlaps the prefill, as layer-wise KV streaming does in other P/D systems, here at the
-granularity of a chunk.
+moves only the rest. The wait between the first and the second token then holds one
+chunk's copy instead of the whole prompt's: the copy overlaps the prefill, as layer-wise
+KV streaming does in other P/D systems, here at the granularity of a chunk.
 
 Nothing here can change a token. A push that fails or times out commits nothing; its
-blocks, and those the decode worker evicts before the handoff, are sent by the handoff. Pushes skip
-pools without prefix caching and sequences that will arrive in offload mode (their
-middle goes to the host tier, not to the pool).
+blocks, and those the decode worker evicts before the handoff, are sent by the handoff.
+Pushes skip pools without prefix caching and sequences that will arrive in offload mode
+(their middle goes to the host tier, not to the pool).
 """
 
 from __future__ import annotations
