@@ -98,11 +98,11 @@ class PrefixPushes:
             pushed.blocks = full
             return
         export = submit_export(src, dst, seq, len(cached), len(fresh), self.block_size)
-        pushed.in_flight = InFlightPush(len(cached), fresh,
-                                        asyncio.get_running_loop().create_future())
-        self._spawn(self._run(pushed, seq, push_id, fresh, export, full))
+        push = InFlightPush(len(cached), fresh, asyncio.get_running_loop().create_future())
+        pushed.in_flight = push
+        self._spawn(self._run(pushed, seq, push_id, push, export, full))
 
-    async def _run(self, pushed: Pushed, seq: Sequence, push_id: str, fresh: list[int],
+    async def _run(self, pushed: Pushed, seq: Sequence, push_id: str, push: InFlightPush,
                    export: KVExport, full: int) -> None:
         """Move one push, then commit its blocks to the receiver's prefix cache (only
         if it moved), release them there and say how it went to a handoff sharing
@@ -111,8 +111,8 @@ class PrefixPushes:
         start = time.perf_counter()
         moved = False
         try:
-            info, _ = await asyncio.wait_for(move(export, dst, fresh, HostRows(0, [])),
-                                             self.timeout_s)
+            info, _ = await asyncio.wait_for(
+                move(export, dst, push.block_ids, HostRows(0, [])), self.timeout_s)
         except Exception as e:   # refused, timed out, a lost worker: the handoff sends them
             log.info("prefix push of %s from %s to %s failed (%s)", seq.seq_id,
                      src.worker_id, dst.worker_id, e)
@@ -122,15 +122,14 @@ class PrefixPushes:
             moved = True
             dst.kv.commit(push_id, seq.token_ids, full * self.block_size)
             pushed.blocks = full
-            pushed.moved += len(fresh)
+            pushed.moved += len(push.block_ids)
             for stats in (src.sent, dst.received):
                 stats.pushes += 1
                 stats.pushed_bytes += info.nbytes
                 stats.push_seconds += time.perf_counter() - start
         dst.kv.free(push_id)
-        landed, pushed.in_flight = pushed.in_flight, None
-        if landed is not None:
-            landed.landed.set_result(moved)
+        pushed.in_flight = None
+        push.landed.set_result(moved)
 
 
 def _takes(dst: CellWorker, seq: Sequence) -> bool:
