@@ -4,6 +4,8 @@ implementation the CPU ops may choose computes ``x @ W.T + b`` (a float64 oracle
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -116,6 +118,40 @@ def test_a_call_over_its_budget_is_not_repeated():
     chooser.choose(torch.randn(6, 4), "fp32", (6, 4), cands)
     timed_at_128 = [name for name, rows in costs.ran if rows == 128]
     assert timed_at_128.count("big") == 1 and timed_at_128.count("small") == 3
+
+
+def test_processes_loading_at_once_time_a_shape_one_at_a_time(tmp_path):
+    """A cell's workers load together. While the first times a shape, holding the
+    machine's lock, the second waits; then it takes the first's choice, timing nothing
+    (timing beside it, each would slow the other's calls)."""
+    store = ChoiceStore(tmp_path, "cpu|2|torch")
+    first, second = FakeCosts(), FakeCosts()
+    timing, release = threading.Event(), threading.Event()
+
+    def held(rows: int) -> float:
+        timing.set()
+        assert release.wait(60)
+        return 1.0
+
+    w = torch.randn(6, 4)
+    a = threading.Thread(target=LinearChooser(RANGES, clock=first.clock, store=store).choose,
+                         args=(w, "fp32", (6, 4), [first.impl("mkl", held),
+                                                   first.impl("onednn", lambda rows: 2.0)]))
+    a.start()
+    assert timing.wait(60)
+    got = []
+    b = threading.Thread(target=lambda: got.append(
+        LinearChooser(RANGES, clock=second.clock, store=store).choose(
+            w, "fp32", (6, 4), [second.impl("mkl", lambda rows: 2.0),
+                                second.impl("onednn", lambda rows: 1.0)])))
+    b.start()
+    b.join(0.5)
+    assert b.is_alive() and not second.ran   # waiting for the lock
+    release.set()
+    a.join(60)
+    b.join(60)
+    assert got[0].choice.names == ("mkl",) * 3
+    assert second.ran == [] and second.packed == ["mkl"]
 
 
 def cpu_ops() -> CpuOps:

@@ -13,19 +13,23 @@ The first process on a machine to time a (kind, shape) publishes its choice in a
 every later process (the other workers of a cell, a restarted one) takes it from there
 rather than timing again. Timings vary with load, and two implementations round fp32
 differently, so two workers choosing apart would make a handed-off sequence's greedy
-text depend on which worker ran which step.
+text depend on which worker ran which step. Since the first choice stays, a process times
+a shape holding the machine's lock (``ChoiceStore.exclusive``): a cell's workers load at
+once, and timing side by side each would slow the other's calls.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,6 +141,27 @@ class ChoiceStore:
         ok = len(names) == len(ranges) and set(names) <= set(candidates)
         return names if ok else None
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Held while this process times a shape: another process loading at the same
+        time waits, then reads the choice, instead of timing beside it. Two processes
+        timing the default model's w8a8 layers at once on two cores took ~20 ms a call,
+        either candidate, against 0.25-0.7 ms alone, and kept a kernel 1.8x slower for
+        the largest layer (benchmarks/RESULTS.md). Released if the process dies."""
+        fd = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:   # a read-only cache: time without the lock
+            log.warning("linear choices timed without the machine's lock (%s): %s",
+                        self.directory, e)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
     def publish(self, kind: str, shape: tuple[int, int], ranges: Sequence[RowRange],
                 candidates: Sequence[str], names: tuple[str, ...]) -> tuple[str, ...]:
         """Publish ``names`` unless a choice is there already; the names to use."""
@@ -206,10 +231,11 @@ class LinearChooser:
         choice = self.choices.get(key)
         if choice is None:
             choice = self._stored(kind, shape, list(by_name))
-            if choice is None:
-                choice = self._measured(kind, shape, candidates,
-                                        {c.name: packed(c) for c in candidates})
-            self.choices[key] = choice
+        if choice is None:
+            with self.store.exclusive() if self.store else contextlib.nullcontext():
+                choice = self._stored(kind, shape, list(by_name)) or self._measured(
+                    kind, shape, candidates, {c.name: packed(c) for c in candidates})
+        self.choices[key] = choice
         runs = tuple((by_name[n].run, packed(by_name[n])) for n in choice.names)
         return ChosenLinear(choice, shape[0], tuple(r.first for r in self.ranges), runs)
 
