@@ -11,7 +11,19 @@ import pytest
 import torch
 from hypothesis import settings
 
+from workers.ops.linear_choice import CHOICES_ENV
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _own_linear_choices(tmp_path_factory):
+    """The suite's linear-layer choices in a folder of its own (``default_store``), set
+    before any process loads a model: Ray's workers inherit it."""
+    os.environ[CHOICES_ENV] = str(tmp_path_factory.mktemp("linear_choice"))
+    yield
+    os.environ.pop(CHOICES_ENV, None)
+
 
 # Property tests draw the same examples on every run: a failure seen once is seen again,
 # and CI never fails on an example no earlier run drew.

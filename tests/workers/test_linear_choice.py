@@ -4,18 +4,23 @@ implementation the CPU ops may choose computes ``x @ W.T + b`` (a float64 oracle
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+from workers.loading.checkpoint import cache_root
 from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
 from workers.ops.linear_choice import (
+    CHOICES_ENV,
     ChoiceStore,
     ChosenLinear,
     LinearChooser,
     LinearImpl,
     RowRange,
+    default_store,
 )
 from workers.ops.quant_linear import Int8Weight
 
@@ -152,6 +157,15 @@ def test_processes_loading_at_once_time_a_shape_one_at_a_time(tmp_path):
     b.join(60)
     assert got[0].choice.names == ("mkl",) * 3
     assert second.ran == [] and second.packed == ["mkl"]
+
+
+def test_the_suite_keeps_its_choices_apart_from_the_machines(monkeypatch):
+    """Choices timed while other tests load the machine must not stay for the engine's
+    later runs there: the suite's processes use a folder of their own."""
+    machines = cache_root() / "linear_choice"
+    assert default_store("k").directory == Path(os.environ[CHOICES_ENV]) != machines
+    monkeypatch.delenv(CHOICES_ENV)
+    assert default_store("k").directory == machines
 
 
 def cpu_ops() -> CpuOps:

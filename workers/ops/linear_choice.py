@@ -67,6 +67,7 @@ ROW_RANGES = (RowRange(1, 1), RowRange(4, 8), RowRange(17, 24), RowRange(33, 128
 # model whose layers together outgrow the last-level cache (a decode step reads each
 # once); timed hot, a small layer's weight would sit in cache and favour the wrong kernel.
 EVICT_BYTES = 64 << 20
+CHOICES_ENV = "LLM_CLUSTER_LINEAR_CHOICES"   # where the machine's choices live (default_store)
 
 
 @dataclass(frozen=True)
@@ -184,14 +185,18 @@ class ChoiceStore:
 
 
 def default_store(kernels: str) -> ChoiceStore:
-    """The machine's store in the engine's cache directory, for the candidates that the
-    kernels named ``kernels`` (a digest of their sources) offer."""
+    """The machine's store, ``$LLM_CLUSTER_LINEAR_CHOICES`` or the engine's cache
+    directory's ``linear_choice``, for the candidates that the kernels named ``kernels``
+    (a digest of their sources) offer. The test suite keeps its own: its processes time
+    on a machine its other tests keep busy, and their choices would stay for every later
+    run of the engine there."""
     from workers.loading.checkpoint import cache_root
 
     cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo()
                 if line.startswith("model name")), "unknown cpu")
     machine = f"{cpu}|{os.cpu_count()}|torch {torch.__version__}|kernels {kernels}"
-    return ChoiceStore(cache_root() / "linear_choice", machine)
+    directory = os.environ.get(CHOICES_ENV) or cache_root() / "linear_choice"
+    return ChoiceStore(Path(directory), machine)
 
 
 def _cpuinfo() -> list[str]:
