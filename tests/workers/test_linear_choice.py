@@ -141,18 +141,21 @@ def test_processes_loading_at_once_time_a_shape_one_at_a_time(tmp_path):
     w = torch.randn(6, 4)
     a = threading.Thread(target=LinearChooser(RANGES, clock=first.clock, store=store).choose,
                          args=(w, "fp32", (6, 4), [first.impl("mkl", held),
-                                                   first.impl("onednn", lambda rows: 2.0)]))
-    a.start()
-    assert timing.wait(60)
+                                                   first.impl("onednn", lambda rows: 2.0)]),
+                         daemon=True)
     got = []
     b = threading.Thread(target=lambda: got.append(
         LinearChooser(RANGES, clock=second.clock, store=store).choose(
             w, "fp32", (6, 4), [second.impl("mkl", lambda rows: 2.0),
-                                second.impl("onednn", lambda rows: 1.0)])))
-    b.start()
-    b.join(0.5)
-    assert b.is_alive() and not second.ran   # waiting for the lock
-    release.set()
+                                second.impl("onednn", lambda rows: 1.0)])), daemon=True)
+    a.start()
+    try:
+        assert timing.wait(60)
+        b.start()
+        b.join(0.5)
+        assert b.is_alive() and not second.ran   # waiting for the lock
+    finally:
+        release.set()
     a.join(60)
     b.join(60)
     assert got[0].choice.names == ("mkl",) * 3
