@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,15 +16,11 @@ from workers.ops.linear_choice import CHOICES_ENV
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _own_linear_choices(tmp_path_factory):
-    """The suite's linear-layer choices in a folder of its own (``default_store``), set
-    before any process loads a model: Ray's workers inherit it."""
-    os.environ[CHOICES_ENV] = str(tmp_path_factory.mktemp("linear_choice"))
-    yield
-    os.environ.pop(CHOICES_ENV, None)
-
+# The suite's linear-layer choices go to a folder of its own (``default_store``), named
+# here, before any test module is collected: some build their ops at import, and Ray's
+# workers inherit the environment. The folder goes when the session ends.
+_LINEAR_CHOICES = tempfile.TemporaryDirectory(prefix="llm-cluster-test-choices-")
+os.environ[CHOICES_ENV] = _LINEAR_CHOICES.name
 
 # Property tests draw the same examples on every run: a failure seen once is seen again,
 # and CI never fails on an example no earlier run drew.
