@@ -168,6 +168,15 @@ def test_per_head_block_subsets_match_gathered_oracle(ops, block_size, kv_dtype,
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def int16_rounded(q, scale):
+    """q as the decode kernel scores int8 keys with it: each (token, head) row of q * scale
+    rounded to int16 steps of its largest magnitude / 32767, half to even, then / scale."""
+    scaled = q * scale
+    step = scaled.abs().amax(dim=-1, keepdim=True) / 32767
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return torch.round(scaled / step).clamp(-32767, 32767) * step / scale
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8])
 def test_cpu_decode_kernel_merges_a_long_contexts_pieces(kv_dtype):
     """With fewer (sequence, KV head) contexts than twice the threads, the kernel cuts each
@@ -191,7 +200,10 @@ def test_cpu_decode_kernel_merges_a_long_contexts_pieces(kv_dtype):
         got = CpuOps().attention(q, q[:, :KVH], q[:, :KVH], cache, meta, D ** -0.5)
     finally:
         torch.set_num_threads(threads)
-    values = dequantize_rows(cache, torch.float32) if kv_dtype == torch.int8 else cache
+    if kv_dtype == torch.int8:   # scored with the query rounded to int16, as below
+        q, values = int16_rounded(q, D ** -0.5), dequantize_rows(cache, torch.float32)
+    else:
+        values = cache
     want = gathered_attention(q, values, head_tables, head_lens, D ** -0.5)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -241,16 +253,18 @@ def test_rms_norm_and_rotary_match_formulas():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 def test_cpu_decode_kernel_head_sizes_match_reference(head_dim, kv_dtype):
-    """The kernel's compiled-size paths (vector dot, in-register sums, its own exp)
-    against the reference decode, with lengths that end mid-block and scores spread
-    wide enough that the softmax is far from uniform."""
+    """The kernel's compiled-size paths (vector dot, in-register sums, its own exp, int8
+    keys' integer products) against the reference decode, with lengths that end mid-block
+    and scores spread wide enough that the softmax is far from uniform. Over int8 keys the
+    kernel scores a query rounded to int16 (int16_rounded), so the reference gets that
+    query."""
     assert load_cpu_kernels() is None
     g = torch.Generator().manual_seed(head_dim)
     num_blocks, block_size, kv_heads, heads = 40, 16, 2, 8
-    cache = (torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 3
-             ).to(kv_dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 3
+    cache = quantize_rows(cache) if kv_dtype == torch.int8 else cache.to(kv_dtype)
     lens = torch.tensor([1, 17, 300, 333, 16])
     width = -(-int(lens.max()) // block_size)
     tables = torch.stack([torch.randperm(num_blocks, generator=g)[:width] for _ in lens])
@@ -259,7 +273,8 @@ def test_cpu_decode_kernel_head_sizes_match_reference(head_dim, kv_dtype):
                              [], block_size)
     scale = head_dim ** -0.5
     got = CpuOps().attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
-    want = TorchOps().attention(q, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
+    scored = int16_rounded(q, scale) if kv_dtype == torch.int8 else q
+    want = TorchOps().attention(scored, q[:, :kv_heads], q[:, :kv_heads], cache, meta, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 

@@ -14,7 +14,9 @@
 // conversions (F16C / AVX-512 for fp16, shifts for bf16), never element by element
 // through at::Half; and every query head of a GQA group reuses
 // each key and value row while it is in cache. An int8 cache row is head_dim int8
-// values followed by the row's fp16 scale (2 bytes); it is widened to value * scale.
+// values followed by the row's fp16 scale (2 bytes): its keys are scored with integer
+// products against the query rounded to int16 (int_scores), its values widened to fp32
+// with the scale folded into each row's weight.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -33,8 +35,6 @@
 #include "vec_math.h"
 
 namespace {
-
-using ::widen;   // int8 rows (vec_math.h), beside the fp16 and bf16 overloads below
 
 // Widen n stored values to fp32. The stored types are read as raw bits.
 inline void widen(const at::Half* src, float* dst, int64_t n) {
@@ -58,18 +58,45 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
-// One block's n rows of a head as fp32 rows: read in place for fp32 (row stride
-// token_stride), widened into buf otherwise (row stride head_dim).
+// An int8 row's n values as fp32 without its scale, which the caller folds into the
+// row's score or weight (one multiply per row, not per value); returns the scale.
+inline float widen_unscaled(const int8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)))));
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  return row_scale(src, n);
+}
+
+// One block's rows of a head as fp32: row t is data[t * stride], times scales[t] when
+// scales is set (int8 rows), as stored otherwise.
+struct Rows {
+  const float* data;
+  int64_t stride;
+  const float* scales;
+};
+
+// One block's n rows of a head: read in place for fp32 (row stride token_stride),
+// widened into buf otherwise (row stride head_dim), int8 rows' scales into scale_buf.
 template <typename T>
-inline const float* block_rows(const T* base, int64_t n, int64_t token_stride, int64_t head_dim,
-                               float* buf, int64_t* stride) {
+inline Rows block_rows(const T* base, int64_t n, int64_t token_stride, int64_t head_dim,
+                       float* buf, float* scale_buf) {
   if constexpr (std::is_same_v<T, float>) {
-    *stride = token_stride;
-    return base;
+    return {base, token_stride, nullptr};
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    for (int64_t t = 0; t < n; ++t)
+      scale_buf[t] = widen_unscaled(base + t * token_stride, buf + t * head_dim, head_dim);
+    return {buf, head_dim, scale_buf};
   } else {
     for (int64_t t = 0; t < n; ++t) widen(base + t * token_stride, buf + t * head_dim, head_dim);
-    *stride = head_dim;
-    return buf;
+    return {buf, head_dim, nullptr};
   }
 }
 
@@ -85,22 +112,30 @@ inline void prefetch_rows(const void* base, int64_t n, int64_t row_bytes, int64_
 
 #if defined(__AVX512F__)
 // Lane t of the result is the sum of v[t]'s 16 lanes: a 16x16 transpose folded into the
-// additions (45 instructions for 16 sums, against 128 for 16 separate reductions).
-inline __m512 transpose_sum16(const __m512* v) {
+// additions (45 instructions for 16 sums, against 128 for 16 separate reductions). The
+// shuffles only move lanes, so `add` decides the lanes' type: fp32 or int32 (bits
+// carried in __m512).
+template <typename Add>
+inline __m512 transpose_sum16(const __m512* v, Add add) {
   __m512 w[8], r[4], u[2];
   for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    w[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   for (int i = 0; i < 4; ++i) {
     const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    r[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    r[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+               _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   for (int i = 0; i < 2; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    u[i] = add(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 add_ps(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512 add_epi32(__m512 a, __m512 b) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
 }
 #endif
 
@@ -133,7 +168,7 @@ inline void block_scores(const float* q, const float* rows, int64_t stride, int6
         partial[t] = _mm512_add_ps(s0, s1);
       }
       _mm512_mask_storeu_ps(out + t0, static_cast<__mmask16>((1u << m) - 1),
-                            transpose_sum16(partial));
+                            transpose_sum16(partial, add_ps));
     }
     return;
   }
@@ -214,6 +249,84 @@ inline void accumulate(const float* p, const float* rows, int64_t stride, int64_
     const float* x = rows + t * stride;
 #pragma omp simd
     for (int64_t i = 0; i < size; ++i) dst[i] += w * x[i];
+  }
+}
+
+// Int8 keys are scored with integer products: the query head is rounded to int16
+// (quantize_row: scale = its largest magnitude / 32767) and each key row widened to
+// int16, so q16 . k8 is an exact int32 sum, and score = that sum * qscale * kscale. The
+// query's rounding moves a score by at most 1/65534 of the query's largest element times
+// the key row's L1 norm; the products take half the instructions of fp32 ones and the
+// key rows are never widened to fp32.
+inline float widen_int16(const int8_t* src, int16_t* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BW__)
+  for (; i + 32 <= n; i += 32)
+    _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(
+                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__AVX2__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = src[i];
+  return row_scale(src, n);
+}
+
+// out[t] = (q . rows[t]) * qscale * scales[t] over n int16 rows of d (D when D > 0).
+template <int D>
+inline void int_scores(const int16_t* q, float qscale, const int16_t* rows, const float* scales,
+                       int64_t n, float* out, int64_t d) {
+#if defined(__AVX512BW__)
+  if constexpr (D > 0 && D % 32 == 0) {
+    __m512i qv[D / 32];
+    for (int j = 0; j < D / 32; ++j) qv[j] = _mm512_loadu_si512(q + 32 * j);
+    const __m512 vq = _mm512_set1_ps(qscale);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - t0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
+      __m512 partial[16];
+      for (int64_t t = 0; t < 16; ++t) {
+        __m512i acc = _mm512_setzero_si512();
+        if (t < m) {
+          const int16_t* k = rows + (t0 + t) * D;
+          for (int j = 0; j < D / 32; ++j) {
+#if defined(__AVX512VNNI__)
+            acc = _mm512_dpwssd_epi32(acc, qv[j], _mm512_loadu_si512(k + 32 * j));
+#else
+            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(qv[j], _mm512_loadu_si512(k + 32 * j)));
+#endif
+          }
+        }
+        partial[t] = _mm512_castsi512_ps(acc);
+      }
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_castps_si512(transpose_sum16(partial, add_epi32)));
+      const __m512 ks = _mm512_maskz_loadu_ps(mask, scales + t0);
+      _mm512_mask_storeu_ps(out + t0, mask, _mm512_mul_ps(sums, _mm512_mul_ps(vq, ks)));
+    }
+    return;
+  }
+#elif defined(__AVX2__)
+  if constexpr (D > 0 && D % 16 == 0) {
+    for (int64_t t = 0; t < n; ++t) {
+      const int16_t* k = rows + t * D;
+      __m256i acc = _mm256_setzero_si256();
+      for (int j = 0; j < D; j += 16)
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + j))));
+      out[t] = static_cast<float>(sum8(acc)) * (qscale * scales[t]);
+    }
+    return;
+  }
+#endif
+  const int64_t size = D > 0 ? D : d;
+  for (int64_t t = 0; t < n; ++t) {
+    const int16_t* k = rows + t * size;
+    int32_t acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < size; ++i) acc += static_cast<int32_t>(q[i]) * k[i];
+    out[t] = static_cast<float>(acc) * (qscale * scales[t]);
   }
 }
 
@@ -300,6 +413,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   at::parallel_for(0, contexts * pieces, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qs(group * head_dim);
     std::vector<float> rows(block_size * head_dim);  // one block's rows of this head, fp32
+    std::vector<float> row_scales(block_size), weights(block_size), qscales(group);
+    std::vector<int16_t> q16(group * head_dim), keys16(block_size * head_dim);  // int8 keys
     for (int64_t task = begin; task < end; ++task) {
       const int64_t context = task / pieces, piece = task % pieces;
       const int64_t s = context / kv_heads, h = context % kv_heads;
@@ -327,8 +442,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         const float* src = qp + (s * num_heads + h * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qs[g * head_dim + i] = src[i] * fscale;
       }
-      // Visit the piece a block at a time: use(offset, n, rows, stride) gets the block's
-      // n rows of this head as fp32 (in place, or widened into `rows`).
+      // Visit the piece a block at a time: use(offset, n, rows) gets the block's n rows
+      // of this head as fp32 (in place, or widened into `rows`).
       auto each_block = [&](const T* cache, auto&& use) {
         for (int64_t start = lo; start < hi; start += block_size) {
           const int64_t n = std::min(block_size, hi - start);
@@ -336,28 +451,46 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
             prefetch_rows(cache + table[start / block_size + 1] * block_stride + h * row_width,
                           std::min(block_size, hi - start - block_size), row_width * sizeof(T),
                           token_stride * sizeof(T));
-          int64_t stride;
-          const float* block = block_rows(cache + table[start / block_size] * block_stride +
-                                          h * row_width, n, token_stride, head_dim, rows.data(),
-                                          &stride);
-          use(start - lo, n, block, stride);
+          use(start - lo, n, cache + table[start / block_size] * block_stride + h * row_width);
         }
       };
-      each_block(kp, [&](int64_t offset, int64_t n, const float* keys, int64_t stride) {
+      if constexpr (std::is_same_v<T, int8_t>) {
         for (int64_t g = 0; g < group; ++g)
-          block_scores<D>(qs.data() + g * head_dim, keys, stride, n,
-                          scores.data() + g * span + offset, head_dim);
-      });
+          qscales[g] = quantize_row(qs.data() + g * head_dim, head_dim, 32767.f,
+                                    q16.data() + g * head_dim);
+        each_block(kp, [&](int64_t offset, int64_t n, const T* block) {
+          for (int64_t t = 0; t < n; ++t)
+            row_scales[t] = widen_int16(block + t * token_stride, keys16.data() + t * head_dim,
+                                        head_dim);
+          for (int64_t g = 0; g < group; ++g)
+            int_scores<D>(q16.data() + g * head_dim, qscales[g], keys16.data(), row_scales.data(),
+                          n, scores.data() + g * span + offset, head_dim);
+        });
+      } else {
+        each_block(kp, [&](int64_t offset, int64_t n, const T* block) {
+          const Rows keys = block_rows(block, n, token_stride, head_dim, rows.data(), nullptr);
+          for (int64_t g = 0; g < group; ++g)
+            block_scores<D>(qs.data() + g * head_dim, keys.data, keys.stride, n,
+                            scores.data() + g * span + offset, head_dim);
+        });
+      }
       for (int64_t g = 0; g < group; ++g) {
         const auto [mx, total] = exp_shifted(scores.data() + g * span, span);
         std::fill(part + g * part_width, part + g * part_width + head_dim, 0.f);
         part[g * part_width + head_dim] = mx;
         part[g * part_width + head_dim + 1] = total;
       }
-      each_block(vp, [&](int64_t offset, int64_t n, const float* values, int64_t stride) {
-        for (int64_t g = 0; g < group; ++g)
-          accumulate<D>(scores.data() + g * span + offset, values, stride, n,
-                        part + g * part_width, head_dim);
+      each_block(vp, [&](int64_t offset, int64_t n, const T* block) {
+        const Rows values = block_rows(block, n, token_stride, head_dim, rows.data(),
+                                       row_scales.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const float* p = scores.data() + g * span + offset;
+          if (values.scales) {
+            for (int64_t t = 0; t < n; ++t) weights[t] = p[t] * values.scales[t];
+            p = weights.data();
+          }
+          accumulate<D>(p, values.data, values.stride, n, part + g * part_width, head_dim);
+        }
       });
     }
   });
