@@ -5,7 +5,9 @@ Teacher forcing: the text goes through the engine's model in prefill chunks (eve
 chunk after the first reads its context back from the paged KV pool, so an int8 KV is
 really in the path), and each position's logits are compared with HF's over the same
 text: top-1 agreement (our argmax equals HF's) and the perplexity of the text's own
-next tokens, ours against HF's.
+next tokens, ours against HF's. ``--decode`` runs every position after the first as a
+decode step instead (one token a forward, the decode kernel reading the pool): slower,
+and the figure for what decode attention does to the text.
 
 Per-token int8 activations (w8a8) and int8 KV round at run time, and a rounding that
 flips early changes every later layer's input: a relative change of 1e-6 in the input
@@ -14,7 +16,8 @@ flips early changes every later layer's input: a relative change of 1e-6 in the 
 model's embeddings (HF's untouched) and reports the spread, so that two methods are
 compared by more than one draw each.
 
-    python -m cluster bench quantization-quality [--tokens N] [--draws N] [--json PATH]
+    python -m cluster bench quantization-quality [--tokens N] [--draws N] [--decode]
+                                                 [--configs LABEL ...] [--json PATH]
 """
 
 from __future__ import annotations
@@ -67,25 +70,33 @@ def text_ids(llm: LLM, num_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def forced_logits(llm: LLM, ids: list[int], chunk: int = CHUNK) -> torch.Tensor:
-    """fp32 logits [len(ids), vocab] of one sequence run in prefill chunks through the
-    engine's model and its block pool (blocks 0, 1, ... of a fresh engine)."""
+def forced_logits(llm: LLM, ids: list[int], chunk: int = CHUNK,
+                  decode: bool = False) -> torch.Tensor:
+    """fp32 logits [len(ids), vocab] of one sequence run through the engine's model and its
+    block pool (blocks 0, 1, ... of a fresh engine): in prefill chunks, or with ``decode``
+    a first token's prefill and then one decode step per token."""
     runner = llm.engine.runner
     bs = runner.block_size
     blocks = torch.arange(math.ceil(len(ids) / bs))
     if len(blocks) > runner.num_blocks:
         raise ValueError(f"text of {len(ids)} tokens needs {len(blocks)} KV blocks; the pool "
                          f"has {runner.num_blocks}: raise kv_cache_bytes")
+    no_decode = torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     out = []
-    for start in range(0, len(ids), chunk):
-        end = min(len(ids), start + chunk)
+    start = 0
+    while start < len(ids):
+        end = min(len(ids), start + (1 if decode else chunk))
         positions = torch.arange(start, end)
-        meta = AttentionMetadata(positions.clone(), 0, torch.zeros(0, 1, dtype=torch.long),
-                                 torch.zeros(0, dtype=torch.long),
-                                 [PrefillSegment(0, end - start, end, blocks)], bs)
+        if decode and start:
+            meta = AttentionMetadata(positions.clone(), 1, blocks[:start // bs + 1][None],
+                                     torch.tensor([end]), [], bs)
+        else:
+            meta = AttentionMetadata(positions.clone(), 0, *no_decode,
+                                     [PrefillSegment(0, end - start, end, blocks)], bs)
         hidden = runner.model.forward(torch.tensor(ids[start:end]), positions,
                                       runner.kv_caches, meta)
         out.append(runner.model.compute_logits(hidden))
+        start = end
     return torch.cat(out)
 
 
@@ -108,7 +119,8 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def measure(configs: dict[str, dict[str, str]], num_tokens: int,
-            model_path: str | None = None, draws: int = 1) -> list[Quality]:
+            model_path: str | None = None, draws: int = 1,
+            decode: bool = False) -> list[Quality]:
     """One ``Quality`` per configuration and draw."""
     from workers.loading import default_model_path
 
@@ -127,7 +139,7 @@ def measure(configs: dict[str, dict[str, str]], num_tokens: int,
             if draw:
                 noise = torch.randn(embed.shape, generator=torch.Generator().manual_seed(draw))
                 model.embed = embed * (1 + NOISE * noise).to(embed.dtype)
-            ours = forced_logits(llm, ids)
+            ours = forced_logits(llm, ids, decode=decode)
             model.embed = embed
             agree = (ours.argmax(-1) == reference.argmax(-1)).double().mean().item()
             results.append(Quality(label, draw, len(ids), agree, perplexity(ours, ids),
@@ -157,11 +169,17 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--draws", type=int, default=1,
                    help=f"runs per configuration, all but the first with {NOISE:g} relative "
                         "noise on the embeddings (default: 1)")
+    p.add_argument("--decode", action="store_true",
+                   help="every position after the first as a decode step (default: prefill "
+                        f"chunks of {CHUNK})")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                   metavar="LABEL", help=f"which of: {', '.join(CONFIGS)} (default: all)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
     if args.draws < 1:
         p.error(f"--draws: got {args.draws}; expected at least 1")
-    results = measure(CONFIGS, args.tokens, draws=args.draws)
+    results = measure({label: CONFIGS[label] for label in args.configs}, args.tokens,
+                      draws=args.draws, decode=args.decode)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) | {"perplexity_increase":

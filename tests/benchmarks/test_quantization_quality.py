@@ -47,3 +47,13 @@ def test_the_noise_draws_move_a_continuous_model_by_rounding_only(default_model_
     assert noisy.perplexity != first.perplexity
     assert abs(noisy.perplexity / first.perplexity - 1) < 1e-4
     assert noisy.agreement >= 0.996
+
+
+def test_decode_steps_give_the_prefill_chunks_figures(default_model_path):
+    """``--decode``: one decode step per token reads the pool through the decode kernel;
+    for fp32, which rounds nothing at run time, it must give the prefill chunks' figures
+    up to float rounding (a step that missed or repeated a position would not)."""
+    chunked, stepped = (measure({"fp32": CONFIGS["fp32"]}, 128, default_model_path,
+                                decode=decode)[0] for decode in (False, True))
+    assert abs(stepped.perplexity / chunked.perplexity - 1) < 1e-4
+    assert stepped.agreement >= 0.99
