@@ -262,8 +262,8 @@ inline float widen_int16(const int8_t* src, int16_t* dst, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX512BW__)
   for (; i + 32 <= n; i += 32)
-    _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(
-                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+    _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(src + i))));
 #elif defined(__AVX2__)
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_cvtepi8_epi16(
@@ -294,13 +294,15 @@ inline void int_scores(const int16_t* q, float qscale, const int16_t* rows, cons
 #if defined(__AVX512VNNI__)
             acc = _mm512_dpwssd_epi32(acc, qv[j], _mm512_loadu_si512(k + 32 * j));
 #else
-            acc = _mm512_add_epi32(acc, _mm512_madd_epi16(qv[j], _mm512_loadu_si512(k + 32 * j)));
+            acc = _mm512_add_epi32(acc,
+                                   _mm512_madd_epi16(qv[j], _mm512_loadu_si512(k + 32 * j)));
 #endif
           }
         }
         partial[t] = _mm512_castsi512_ps(acc);
       }
-      const __m512 sums = _mm512_cvtepi32_ps(_mm512_castps_si512(transpose_sum16(partial, add_epi32)));
+      const __m512 sums =
+          _mm512_cvtepi32_ps(_mm512_castps_si512(transpose_sum16(partial, add_epi32)));
       const __m512 ks = _mm512_maskz_loadu_ps(mask, scales + t0);
       _mm512_mask_storeu_ps(out + t0, mask, _mm512_mul_ps(sums, _mm512_mul_ps(vq, ks)));
     }
@@ -442,8 +444,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         const float* src = qp + (s * num_heads + h * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qs[g * head_dim + i] = src[i] * fscale;
       }
-      // Visit the piece a block at a time: use(offset, n, rows) gets the block's n rows
-      // of this head as fp32 (in place, or widened into `rows`).
+      // Visit the piece a block at a time: use(offset, n, block) gets the block's n rows
+      // of this head as stored, token_stride apart.
       auto each_block = [&](const T* cache, auto&& use) {
         for (int64_t start = lo; start < hi; start += block_size) {
           const int64_t n = std::min(block_size, hi - start);
