@@ -14,8 +14,10 @@ The linear layers, most of a step, run on whichever implementation a short timin
 load finds fastest here, per batch-size range (``linear_choice``): ``F.linear`` (MKL,
 which repacks the weight every call and runs AVX2 code on AMD CPUs), oneDNN's packed
 fp32 weights (2-3x faster on the AMD EPYC measured, ``python -m cluster bench
-decode-step``; slower than MKL at batch 1 on an Intel Xeon), and for int8 (w8a16) and fp16
-weights the packed weight-streaming kernels or blocked dequantization (``packed_weights``).
+decode-step``; slower than MKL at batch 1 on an Intel Xeon), for int8 (w8a16) and fp16
+weights the packed weight-streaming kernels or blocked dequantization (``packed_weights``),
+and for W8A8's exact int8 product ``torch._int_mm``, the packed VNNI kernel or, on
+processors with AMX, the tile kernel (``csrc/amx_int8_cpu.cpp``).
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ from workers.ops.base import AttentionMetadata
 from workers.ops.fused_decode import FusedDecode, LayerWeights, fuse_decode
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
 from workers.ops.packed_weights import (
+    AmxWeight,
     PackedWeight,
+    pack_amx,
     pack_half,
     pack_int8,
+    packs_amx,
     packs_int8,
     run_blocked,
     run_half,
@@ -151,8 +156,11 @@ class CpuOps(TorchOps):
         """The implementations that compute this weight's product here."""
         if isinstance(weight, Int8Weight) and weight.scheme == "w8a8":
             # The same exact int32 product either way, so the choice changes no output.
-            return [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant),
-                    LinearImpl("int8-packed", pack_int8, _w8a8_fused_quant)]
+            candidates = [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant),
+                          LinearImpl("int8-packed", pack_int8, _w8a8_fused_quant)]
+            if packs_amx(weight) and torch.ops.llm_cluster.amx_int8_available():
+                candidates.append(LinearImpl("int8-amx", pack_amx, _w8a8_fused_quant))
+            return candidates
         if isinstance(weight, Int8Weight):
             if not packs_int8(weight):
                 return [LinearImpl("dequant", _as_is, w8a16_blocked)]
@@ -219,7 +227,7 @@ class CpuOps(TorchOps):
         gu, dn = gate_up.packed_for(x), down.packed_for(x)
         qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, x.shape[-1]).contiguous())
         qh, sh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(*_int8_product(qx, sx, gu))
-        out = torch.ops.llm_cluster.dequantize_int32(*_int8_product(qh, sh, dn), None)
+        out = _rescaled_product(qh, sh, dn, None)
         return out.reshape(*x.shape[:-1], dn.out_features)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -279,22 +287,38 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-def _w8a8_fused_quant(x: torch.Tensor, weight: Int8Weight | PackedWeight,
+W8A8Weight = Int8Weight | PackedWeight | AmxWeight   # one weight, three packings
+
+
+def _w8a8_fused_quant(x: torch.Tensor, weight: W8A8Weight,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """``w8a8_linear`` with its per-token quantization and its rescale each in one C++
     pass, on either packing of the weight."""
     shape = x.shape
     qx, sx = torch.ops.llm_cluster.quantize_rows_int8(
         x.reshape(-1, shape[-1]).float().contiguous())
-    out = torch.ops.llm_cluster.dequantize_int32(*_int8_product(qx, sx, weight), bias)
+    out = _rescaled_product(qx, sx, weight, bias)
     return out.to(x.dtype).reshape(*shape[:-1], weight.out_features)
 
 
-def _int8_product(qx: torch.Tensor, sx: torch.Tensor, weight: Int8Weight | PackedWeight
+def _rescaled_product(qx: torch.Tensor, sx: torch.Tensor, weight: W8A8Weight,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8's output from quantized activations: the int32 product rescaled by
+    ``dequantize_int32``, which the AMX kernel does as it makes the sums."""
+    if isinstance(weight, AmxWeight):
+        return torch.ops.llm_cluster.amx_w8a8_linear(qx, sx, weight.data, weight.channel_scale,
+                                                     bias, weight.out_features)
+    return torch.ops.llm_cluster.dequantize_int32(*_int8_product(qx, sx, weight), bias)
+
+
+def _int8_product(qx: torch.Tensor, sx: torch.Tensor, weight: W8A8Weight
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W8A8's exact int32 product, with the row and the channel scales that rescale it."""
     if isinstance(weight, PackedWeight):
         return (torch.ops.llm_cluster.int8_packed_mm(qx, weight.data, weight.out_features),
+                sx, weight.channel_scale)
+    if isinstance(weight, AmxWeight):
+        return (torch.ops.llm_cluster.amx_int8_mm(qx, weight.data, weight.out_features),
                 sx, weight.channel_scale)
     return torch._int_mm(qx, weight.qweight_t), sx, weight.scale
 

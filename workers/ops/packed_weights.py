@@ -7,7 +7,8 @@ which the prefetchers follow; row-major rows read a few at a time are as many st
 The kernels serve decode batches; larger batches dequantize blocks of the same packed
 weight into fp32 for the fp32 GEMM (``run_blocked``), so a layer keeps one copy whichever
 implementation its row counts choose. W8A8 weights are packed the same way for the
-exact int32 product at decode batches (``int8_packed_mm``, equal to ``torch._int_mm``).
+exact int32 product at decode batches (``int8_packed_mm``, equal to ``torch._int_mm``),
+and on processors with AMX into its tiles (``AmxWeight``, ``csrc/amx_int8_cpu.cpp``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from workers.ops.quant_linear import Int8Weight, blocked_linear, dequantize
 BLOCK = 8        # output channels per packed block
 INT8_COLS = 32   # int8 weights per channel per packed step (one AVX-512 int16 product)
 HALF_COLS = 16   # fp16 weights per channel per packed step (one AVX-512 fp32 vector)
+AMX_ROWS = 16    # output channels per AMX weight tile
+AMX_K = 64       # inputs per AMX weight tile
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,31 @@ def pack_int8(weight: Int8Weight) -> PackedWeight:
 def pack_half(weight: torch.Tensor) -> PackedWeight:
     out, inp = weight.shape
     return PackedWeight(pack_rows(weight.half(), HALF_COLS), None, out, inp)
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A W8A8 weight in AMX's tile layout for ``amx_int8_mm`` (``csrc/amx_int8_cpu.cpp``):
+    ``data`` int8 [ceil(out / 16), in / 64, 16, 64], zero-padded channels; fp32
+    ``channel_scale`` [out]."""
+
+    data: torch.Tensor
+    channel_scale: torch.Tensor
+    out_features: int
+
+
+def packs_amx(weight: Int8Weight) -> bool:
+    """Whether the AMX kernel takes this weight: whole tiles of 64 inputs."""
+    return weight.qweight.shape[1] % AMX_K == 0
+
+
+def pack_amx(weight: Int8Weight) -> AmxWeight:
+    out, inp = weight.qweight.shape
+    padded = F.pad(weight.qweight, (0, 0, 0, -out % AMX_ROWS))
+    tiles = padded.reshape(-1, AMX_ROWS, inp // AMX_K, AMX_K // 4, 4)  # [j, c, kk, r, i]
+    return AmxWeight(tiles.permute(0, 2, 3, 1, 4).reshape(-1, inp // AMX_K, AMX_K // 4,
+                                                          AMX_ROWS * 4).contiguous(),
+                     weight.scale, out)
 
 
 def run_int8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
