@@ -155,7 +155,7 @@ class CpuOps(TorchOps):
     def linear_candidates(self, weight: torch.Tensor | Int8Weight) -> list[LinearImpl]:
         """The implementations that compute this weight's product here."""
         if isinstance(weight, Int8Weight) and weight.scheme == "w8a8":
-            # The same exact int32 product either way, so the choice changes no output.
+            # The same exact int32 product every way, so the choice changes no output.
             candidates = [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant),
                           LinearImpl("int8-packed", pack_int8, _w8a8_fused_quant)]
             if packs_amx(weight) and torch.ops.llm_cluster.amx_int8_available():
@@ -293,7 +293,7 @@ W8A8Weight = Int8Weight | PackedWeight | AmxWeight   # one weight, three packing
 def _w8a8_fused_quant(x: torch.Tensor, weight: W8A8Weight,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """``w8a8_linear`` with its per-token quantization and its rescale each in one C++
-    pass, on either packing of the weight."""
+    pass, on any packing of the weight."""
     shape = x.shape
     qx, sx = torch.ops.llm_cluster.quantize_rows_int8(
         x.reshape(-1, shape[-1]).float().contiguous())
