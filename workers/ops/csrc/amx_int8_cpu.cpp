@@ -4,11 +4,11 @@
 // One tdpbssd multiplies a 16 x 64 int8 tile of activations by a 64 x 16 tile of weights
 // into a 16 x 16 tile of int32 sums: 16384 products per instruction, where AVX-512 VNNI
 // does 64. A decode batch of up to 64 rows keeps four sum tiles and reads each weight
-// tile once, so the product runs as fast as the weights stream from memory; torch's
+// tile once, so small batches run as fast as the weights stream from memory; torch's
 // _int_mm repacks its weight on every call and oneDNN builds a kernel for each new row
 // count, which a decode batch, changing size every step, pays again and again.
 //
-// The weight is packed at load (amx_pack.pack_int8) as [N / 16][K / 64][16][64]: tile
+// The weight is packed at load (packed_weights.pack_amx) as [N / 16][K / 64][16][64]: tile
 // (j, kk) holds, in its row r, the four inputs 64 kk + 4 r .. + 3 of each of the output
 // channels 16 j .. 16 j + 15 (the layout tdpbssd reads its second operand in), so each
 // block of 16 channels is one sequential run. K must be a multiple of 64; N is padded
