@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_math.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -197,8 +199,8 @@ at::Tensor amx_int8_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t o
 }
 
 // W8A8's linear from its quantized activations: the sums rescaled as dequantize_int32
-// rescales them (float(sum) * row_scale[r] * col_scale[c], then + bias[c]), bit for bit,
-// while they are in L1: no int32 [rows, out_ch] in memory and no second op.
+// rescales them (vec_math.h's rescale_row), bit for bit, while they are in L1: no int32
+// [rows, out_ch] in memory and no second op.
 at::Tensor amx_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
                            const at::Tensor& packed, const at::Tensor& col_scale,
                            const c10::optional<at::Tensor>& bias, int64_t out_ch) {
@@ -221,18 +223,9 @@ at::Tensor amx_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
   float* o = out.data_ptr<float>();
   product(qx, packed, [&](int64_t g, int64_t n, int64_t b, const int32_t* sums) {
     const int64_t c0 = b * kTileRows, width = std::min(kTileRows, out_ch - c0);
-    for (int64_t r = 0; r < n; ++r) {
-      float* orow = o + (g + r) * out_ch + c0;
-      const int32_t* srow = sums + r * kTileRows;
-      const float rs = rp[g + r];
-#pragma omp simd
-      for (int64_t c = 0; c < width; ++c)
-        orow[c] = static_cast<float>(srow[c]) * rs * cp[c0 + c];
-      if (bp != nullptr) {  // rounded before the add, as dequantize_int32 rounds it
-#pragma omp simd
-        for (int64_t c = 0; c < width; ++c) orow[c] += bp[c0 + c];
-      }
-    }
+    for (int64_t r = 0; r < n; ++r)
+      rescale_row(sums + r * kTileRows, rp[g + r], cp + c0, bp ? bp + c0 : nullptr, width,
+                  o + (g + r) * out_ch + c0);
   });
 #endif
   return out;

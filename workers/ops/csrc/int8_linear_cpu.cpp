@@ -18,13 +18,6 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;  // activation rows per parallel task
 
-// One row of the int32 product rescaled: float(acc) * row_scale * col_scale[c].
-inline void dequantize_row(const int32_t* ar, float rs, const float* cp, int64_t cols,
-                           float* orow) {
-#pragma omp simd
-  for (int64_t c = 0; c < cols; ++c) orow[c] = static_cast<float>(ar[c]) * rs * cp[c];
-}
-
 void check_scales(const at::Tensor& acc, const at::Tensor& row_scale,
                   const at::Tensor& col_scale, const char* name) {
   TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), name,
@@ -76,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor> dequantize_silu_mul_quantize(const at::Tensor
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
     std::vector<float> product(2 * width), act(width);
     for (int64_t r = begin; r < end; ++r) {
-      dequantize_row(ap + r * 2 * width, rp[r], cp, 2 * width, product.data());
+      rescale_row(ap + r * 2 * width, rp[r], cp, nullptr, 2 * width, product.data());
       silu_mul_row(product.data(), product.data() + width, act.data(), width);
       sp[r] = quantize_row(act.data(), width, 127.f, qp + r * width);
     }
@@ -104,15 +97,8 @@ at::Tensor dequantize_int32(const at::Tensor& acc, const at::Tensor& row_scale,
   const float* cp = col_scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int32_t* ar = ap + r * cols;
-      float* orow = op + r * cols;
-      dequantize_row(ar, rp[r], cp, cols, orow);
-      if (bp != nullptr) {  // a second loop over the row, still in cache: the product is
-#pragma omp simd        // rounded before the add, as the torch ops round it (no FMA)
-        for (int64_t c = 0; c < cols; ++c) orow[c] += bp[c];
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      rescale_row(ap + r * cols, rp[r], cp, bp, cols, op + r * cols);
   });
   return out;
 }

@@ -113,6 +113,19 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+// W8A8's rescale of one row of its int32 product: out[c] = float(acc[c]) * rs * cs[c],
+// then + bias[c] when bias is set, in a second loop over the row (still in cache) so
+// the product is rounded before the add, as the torch ops round it (no FMA).
+inline void rescale_row(const int32_t* acc, float rs, const float* cs, const float* bias,
+                        int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(acc[c]) * rs * cs[c];
+  if (bias != nullptr) {
+#pragma omp simd
+    for (int64_t c = 0; c < n; ++c) out[c] += bias[c];
+  }
+}
+
 // out = silu(gate) * up over one row of `width` values: the gated MLP's activation.
 inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t width) {
   int64_t i = 0;
