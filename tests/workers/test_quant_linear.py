@@ -202,61 +202,71 @@ def test_a_w8a8_weight_is_one_int8_copy():
     assert w.qweight.untyped_storage().data_ptr() == w.qweight_t.untyped_storage().data_ptr()
 
 
-def _amx_or_skip() -> None:
+TILE_KERNELS = {"int8-amx": "amx", "int8-vnni": "vnni"}   # candidate -> op prefix
+
+
+def _tile_kernel_or_skip(name: str):
+    """The tile kernel's ops: ``<prefix>_int8_mm`` and ``<prefix>_w8a8_linear``."""
     all_ops()
-    if not torch.ops.llm_cluster.amx_int8_available():
-        pytest.skip("no AMX int8 on this processor (or the kernel refused the tile state)")
+    prefix = TILE_KERNELS[name]
+    if not getattr(torch.ops.llm_cluster, f"{prefix}_int8_available")():
+        pytest.skip(f"no {name} on this processor (or the kernel refused the tile state)")
+    return (getattr(torch.ops.llm_cluster, f"{prefix}_int8_mm"),
+            getattr(torch.ops.llm_cluster, f"{prefix}_w8a8_linear"))
 
 
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
 @pytest.mark.parametrize("rows,inp,out", [
     (1, 64, 16), (5, 128, 40), (16, 576, 96), (17, 192, 33), (64, 128, 48),
     (65, 64, 16), (130, 256, 70), (300, 576, 200)])
-def test_the_amx_product_is_the_exact_int32_product(rows, inp, out):
-    """AMX tiles: partial row tiles, channels past the last whole block of 16, several
-    groups of 64 rows; the sums of extreme values included. Oracle: int64 products, and
-    for the rescale fused into the kernel the separate rescale of those."""
-    from workers.ops.packed_weights import pack_amx
+def test_a_tile_kernel_product_is_the_exact_int32_product(kernel, rows, inp, out):
+    """Partial row tiles, channels past the last whole block of 16, several groups of
+    rows; the sums of extreme values included. Oracle: int64 products, and for the
+    rescale fused into the kernel the separate rescale of those."""
+    from workers.ops.packed_weights import pack_tiles
 
-    _amx_or_skip()
+    int8_mm, w8a8_linear = _tile_kernel_or_skip(kernel)
     g = torch.Generator().manual_seed(rows + inp + out)
     qx = torch.randint(-127, 128, (rows, inp), dtype=torch.int8, generator=g)
     q = torch.randint(-127, 128, (out, inp), dtype=torch.int8, generator=g)
     qx[0], q[0], q[-1] = 127, 127, -127
+    qx[-1, ::2] = -127
     want = (qx.long() @ q.long().t()).to(torch.int32)
-    packed = pack_amx(Int8Weight.from_int8("w8a8", q, torch.ones(out)))
-    assert torch.equal(torch.ops.llm_cluster.amx_int8_mm(qx, packed.data, out), want)
+    packed = pack_tiles(Int8Weight.from_int8("w8a8", q, torch.ones(out)),
+                        amx=kernel == "int8-amx")
+    assert torch.equal(int8_mm(qx, packed.data, out), want)
     row_scale, col_scale = torch.rand(rows, generator=g), torch.rand(out, generator=g)
     bias = torch.randn(out, generator=g)
     for b in (None, bias):   # the fused rescale: dequantize_int32 of the exact sums
-        assert torch.equal(
-            torch.ops.llm_cluster.amx_w8a8_linear(qx, row_scale, packed.data, col_scale, b, out),
-            torch.ops.llm_cluster.dequantize_int32(want, row_scale, col_scale, b))
+        assert torch.equal(w8a8_linear(qx, row_scale, packed.data, col_scale, b, out),
+                           torch.ops.llm_cluster.dequantize_int32(want, row_scale, col_scale, b))
 
 
-def test_the_cpu_ops_offer_amx_for_whole_tiles_and_its_linear_is_the_others():
-    """Inputs a multiple of 64 get the AMX candidate, which gives the other candidates'
-    output bit for bit (bias included); other widths do not. On AMX weights the fused MLP
-    is its ops composed. A wrongly packed weight is refused with the shape expected."""
-    _amx_or_skip()
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
+def test_the_cpu_ops_offer_a_tile_kernel_for_whole_tiles_and_its_linear_is_the_others(kernel):
+    """Inputs a multiple of 64 get the tile kernel's candidate, which gives the other
+    candidates' output bit for bit (bias included); other widths do not. On its weights
+    the fused MLP is its ops composed. A wrongly packed weight is refused with the shape
+    expected."""
+    int8_mm, _ = _tile_kernel_or_skip(kernel)
     ops = CpuOps()
     x, w, bias = inputs(37, seed=13, out=80, inp=128)
     weight = TorchOps().pack_linear(w, "w8a8")
     by_name = {c.name: c for c in ops.linear_candidates(weight)}
-    assert set(by_name) == {"int8-mm", "int8-packed", "int8-amx"}
+    assert {"int8-mm", "int8-packed", kernel} <= set(by_name)
     outs = [c.run(x, c.pack(weight), bias) for c in by_name.values()]
     assert all(torch.equal(o, outs[0]) for o in outs)
     narrow = TorchOps().pack_linear(torch.zeros(80, 96), "w8a8")
-    assert "int8-amx" not in {c.name for c in ops.linear_candidates(narrow)}
-    amx_only = CpuOps()   # the W8A8 MLP on AMX weights: the fused path, as composed ops
-    amx_only.linear_candidates = lambda w: [by_name["int8-amx"]]
+    assert set(TILE_KERNELS).isdisjoint(c.name for c in ops.linear_candidates(narrow))
+    tiled_only = CpuOps()   # the W8A8 MLP on tiled weights: the fused path, as composed ops
+    tiled_only.linear_candidates = lambda w: [by_name[kernel]]
     g = torch.Generator().manual_seed(14)
-    gate_up, down = (amx_only.pack_linear(torch.randn(*shape, generator=g), "w8a8")
+    gate_up, down = (tiled_only.pack_linear(torch.randn(*shape, generator=g), "w8a8")
                      for shape in ((2 * 128, 64), (64, 128)))
-    assert {gate_up.choice.names, down.choice.names} == {("int8-amx",) * 4}
+    assert {gate_up.choice.names, down.choice.names} == {(kernel,) * 4}
     for rows in (1, 40, 70):
         h = torch.randn(rows, 64, generator=g)
-        assert torch.equal(amx_only.mlp(h, gate_up, down), amx_only.linear(
-            amx_only.silu_and_mul(amx_only.linear(h, gate_up)), down))
+        assert torch.equal(tiled_only.mlp(h, gate_up, down), tiled_only.linear(
+            tiled_only.silu_and_mul(tiled_only.linear(h, gate_up)), down))
     with pytest.raises(RuntimeError, match=r"in / 64, 16, 64\] for in = 128 and out = 80"):
-        torch.ops.llm_cluster.amx_int8_mm(x.to(torch.int8), torch.zeros(5, 3, 16, 64,
-                                                                        dtype=torch.int8), 80)
+        int8_mm(x.to(torch.int8), torch.zeros(5, 3, 16, 64, dtype=torch.int8), 80)

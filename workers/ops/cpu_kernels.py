@@ -16,8 +16,9 @@ which repacks the weight every call and runs AVX2 code on AMD CPUs), oneDNN's pa
 fp32 weights (2-3x faster on the AMD EPYC measured, ``python -m cluster bench
 decode-step``; slower than MKL at batch 1 on an Intel Xeon), for int8 (w8a16) and fp16
 weights the packed weight-streaming kernels or blocked dequantization (``packed_weights``),
-and for W8A8's exact int8 product ``torch._int_mm``, the packed VNNI kernel or, on
-processors with AMX, the tile kernel (``csrc/amx_int8_cpu.cpp``).
+and for W8A8's exact int8 product ``torch._int_mm``, the packed row-by-row kernel, or
+the tile kernels on processors with AMX or AVX-512 VNNI (``csrc/amx_int8_cpu.cpp``,
+``csrc/vnni_int8_cpu.cpp``).
 """
 
 from __future__ import annotations
@@ -40,13 +41,13 @@ from workers.ops.base import AttentionMetadata
 from workers.ops.fused_decode import FusedDecode, LayerWeights, fuse_decode
 from workers.ops.linear_choice import ChosenLinear, LinearChooser, LinearImpl, default_store
 from workers.ops.packed_weights import (
-    AmxWeight,
     PackedWeight,
-    pack_amx,
+    TiledInt8Weight,
     pack_half,
     pack_int8,
-    packs_amx,
+    pack_tiles,
     packs_int8,
+    packs_tiles,
     run_blocked,
     run_half,
     run_int8,
@@ -158,8 +159,11 @@ class CpuOps(TorchOps):
             # The same exact int32 product every way, so the choice changes no output.
             candidates = [LinearImpl("int8-mm", _as_is, _w8a8_fused_quant),
                           LinearImpl("int8-packed", pack_int8, _w8a8_fused_quant)]
-            if packs_amx(weight) and torch.ops.llm_cluster.amx_int8_available():
-                candidates.append(LinearImpl("int8-amx", pack_amx, _w8a8_fused_quant))
+            tile_kernels = (("int8-amx", True, torch.ops.llm_cluster.amx_int8_available()),
+                            ("int8-vnni", False, torch.ops.llm_cluster.vnni_int8_available()))
+            candidates += [LinearImpl(name, functools.partial(pack_tiles, amx=amx),
+                                      _w8a8_fused_quant)
+                           for name, amx, here in tile_kernels if here and packs_tiles(weight)]
             return candidates
         if isinstance(weight, Int8Weight):
             if not packs_int8(weight):
@@ -287,7 +291,7 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
-W8A8Weight = Int8Weight | PackedWeight | AmxWeight   # one weight, three packings
+W8A8Weight = Int8Weight | PackedWeight | TiledInt8Weight   # one weight, three packings
 
 
 def _w8a8_fused_quant(x: torch.Tensor, weight: W8A8Weight,
@@ -304,10 +308,9 @@ def _w8a8_fused_quant(x: torch.Tensor, weight: W8A8Weight,
 def _rescaled_product(qx: torch.Tensor, sx: torch.Tensor, weight: W8A8Weight,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """W8A8's output from quantized activations: the int32 product rescaled by
-    ``dequantize_int32``, which the AMX kernel does as it makes the sums."""
-    if isinstance(weight, AmxWeight):
-        return torch.ops.llm_cluster.amx_w8a8_linear(qx, sx, weight.data, weight.channel_scale,
-                                                     bias, weight.out_features)
+    ``dequantize_int32``, which the tile kernels do as they make the sums."""
+    if isinstance(weight, TiledInt8Weight):
+        return weight.linear(qx, sx, bias)
     return torch.ops.llm_cluster.dequantize_int32(*_int8_product(qx, sx, weight), bias)
 
 
@@ -317,9 +320,8 @@ def _int8_product(qx: torch.Tensor, sx: torch.Tensor, weight: W8A8Weight
     if isinstance(weight, PackedWeight):
         return (torch.ops.llm_cluster.int8_packed_mm(qx, weight.data, weight.out_features),
                 sx, weight.channel_scale)
-    if isinstance(weight, AmxWeight):
-        return (torch.ops.llm_cluster.amx_int8_mm(qx, weight.data, weight.out_features),
-                sx, weight.channel_scale)
+    if isinstance(weight, TiledInt8Weight):
+        return weight.sums(qx), sx, weight.channel_scale
     return torch._int_mm(qx, weight.qweight_t), sx, weight.scale
 
 

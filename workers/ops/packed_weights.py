@@ -8,7 +8,7 @@ The kernels serve decode batches; larger batches dequantize blocks of the same p
 weight into fp32 for the fp32 GEMM (``run_blocked``), so a layer keeps one copy whichever
 implementation its row counts choose. W8A8 weights are packed the same way for the
 exact int32 product at decode batches (``int8_packed_mm``, equal to ``torch._int_mm``),
-and on processors with AMX into its tiles (``AmxWeight``, ``csrc/amx_int8_cpu.cpp``).
+and in 64-byte quads of inputs for the AMX and AVX-512 VNNI kernels (``TiledInt8Weight``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from workers.ops.quant_linear import Int8Weight, blocked_linear, dequantize
 BLOCK = 8        # output channels per packed block
 INT8_COLS = 32   # int8 weights per channel per packed step (one AVX-512 int16 product)
 HALF_COLS = 16   # fp16 weights per channel per packed step (one AVX-512 fp32 vector)
-AMX_ROWS = 16    # output channels per AMX weight tile
-AMX_K = 64       # inputs per AMX weight tile
+TILE_CHANNELS = 16   # output channels per block of a tiled weight
+TILE_K = 64          # inputs per tile of a tiled weight
 
 
 @dataclass(frozen=True)
@@ -80,28 +80,44 @@ def pack_half(weight: torch.Tensor) -> PackedWeight:
 
 
 @dataclass(frozen=True)
-class AmxWeight:
-    """A W8A8 weight in AMX's tile layout for ``amx_int8_mm`` (``csrc/amx_int8_cpu.cpp``):
-    ``data`` int8 [ceil(out / 16), in / 64, 16, 64], zero-padded channels; fp32
+class TiledInt8Weight:
+    """A W8A8 weight for the AMX kernel (``amx``) or the AVX-512 VNNI one
+    (``csrc/amx_int8_cpu.cpp``, ``csrc/vnni_int8_cpu.cpp``; the layout in
+    ``csrc/int8_tiles.h``): ``data`` int8 [ceil(out / 16), in / 64, 16, 64], zero-padded
+    channels, offset by 128 for VNNI, whose unsigned operand it is; fp32
     ``channel_scale`` [out]."""
 
     data: torch.Tensor
     channel_scale: torch.Tensor
     out_features: int
+    amx: bool
+
+    def sums(self, qx: torch.Tensor) -> torch.Tensor:
+        """The exact int32 product of per-token int8 activations [rows, in]."""
+        op = torch.ops.llm_cluster.amx_int8_mm if self.amx else torch.ops.llm_cluster.vnni_int8_mm
+        return op(qx, self.data, self.out_features)
+
+    def linear(self, qx: torch.Tensor, sx: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        """That product rescaled by ``sx`` [rows] and the channel scales, as
+        ``dequantize_int32`` does, inside the kernel."""
+        op = (torch.ops.llm_cluster.amx_w8a8_linear if self.amx
+              else torch.ops.llm_cluster.vnni_w8a8_linear)
+        return op(qx, sx, self.data, self.channel_scale, bias, self.out_features)
 
 
-def packs_amx(weight: Int8Weight) -> bool:
-    """Whether the AMX kernel takes this weight: whole tiles of 64 inputs."""
-    return weight.qweight.shape[1] % AMX_K == 0
+def packs_tiles(weight: Int8Weight) -> bool:
+    """Whether the tile kernels take this weight: whole tiles of 64 inputs."""
+    return weight.qweight.shape[1] % TILE_K == 0
 
 
-def pack_amx(weight: Int8Weight) -> AmxWeight:
+def pack_tiles(weight: Int8Weight, amx: bool) -> TiledInt8Weight:
     out, inp = weight.qweight.shape
-    padded = F.pad(weight.qweight, (0, 0, 0, -out % AMX_ROWS))
-    tiles = padded.reshape(-1, AMX_ROWS, inp // AMX_K, AMX_K // 4, 4)  # [j, c, kk, r, i]
-    return AmxWeight(tiles.permute(0, 2, 3, 1, 4).reshape(-1, inp // AMX_K, AMX_K // 4,
-                                                          AMX_ROWS * 4).contiguous(),
-                     weight.scale, out)
+    padded = F.pad(weight.qweight, (0, 0, 0, -out % TILE_CHANNELS))
+    tiles = padded.reshape(-1, TILE_CHANNELS, inp // TILE_K, TILE_K // 4, 4)  # [j, c, kk, r, i]
+    data = tiles.permute(0, 2, 3, 1, 4).reshape(-1, inp // TILE_K, TILE_K // 4,
+                                                 TILE_CHANNELS * 4)
+    return TiledInt8Weight((data if amx else data ^ -128).contiguous(), weight.scale, out, amx)
 
 
 def run_int8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

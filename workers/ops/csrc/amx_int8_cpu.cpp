@@ -8,11 +8,8 @@
 // _int_mm repacks its weight on every call and oneDNN builds a kernel for each new row
 // count, which a decode batch, changing size every step, pays again and again.
 //
-// The weight is packed at load (packed_weights.pack_amx) as [N / 16][K / 64][16][64]: tile
-// (j, kk) holds, in its row r, the four inputs 64 kk + 4 r .. + 3 of each of the output
-// channels 16 j .. 16 j + 15 (the layout tdpbssd reads its second operand in), so each
-// block of 16 channels is one sequential run. K must be a multiple of 64; N is padded
-// with zero channels to a multiple of 16.
+// The weight is packed at load (packed_weights.pack_tiles) in the layout int8_tiles.h
+// describes, the one tdpbssd reads its second operand in.
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,9 +17,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#include "vec_math.h"
+#include "int8_tiles.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #include <immintrin.h>
@@ -34,7 +30,6 @@
 namespace {
 
 constexpr int64_t kTileRows = 16;    // rows of an activation or sum tile
-constexpr int64_t kTileK = 64;       // inputs per tile (bytes of an activation tile row)
 constexpr int64_t kGroupRows = 64;   // activation rows per pass over the weight: 4 sum tiles
 constexpr int64_t kColGrain = 4;     // blocks of 16 channels per parallel task
 
@@ -127,9 +122,9 @@ void row_group(const int8_t* a, int64_t lda, const int8_t* w, int64_t k_tiles, i
 
 // qx [rows, in] times the packed weight: one task per kColGrain channel blocks, each
 // going over the rows in groups of kGroupRows (its share of the weight stays in L2);
-// emit(g, n, b, sums) takes the sums of rows g .. g + n - 1 with channel block b.
+// emit as int8_tiles.h says.
 template <typename Emit>
-void product(const at::Tensor& qx, const at::Tensor& packed, const Emit& emit) {
+void amx_product(const at::Tensor& qx, const at::Tensor& packed, const Emit& emit) {
   const int64_t rows = qx.size(0), in = qx.size(1), k_tiles = packed.size(1);
   const int8_t* a = qx.data_ptr<int8_t>();
   const int8_t* w = packed.data_ptr<int8_t>();
@@ -140,7 +135,10 @@ void product(const at::Tensor& qx, const at::Tensor& packed, const Emit& emit) {
       const int64_t last = n - (row_tiles - 1) * kTileRows;
       configure(row_tiles, last);
       const int8_t* ag = a + g * in;
-      const auto group = [&](int64_t b, const int32_t* sums) { emit(g, n, b, sums); };
+      const auto group = [&](int64_t b, const int32_t* sums) {
+        for (int64_t r = 0; r < n; ++r)
+          emit(g + r, b * kTileRows, sums + r * kTileRows, kTileRows);
+      };
       switch (row_tiles * 2 + (last < kTileRows)) {
         case 2: row_group<1, false>(ag, in, w, k_tiles, b0, b1, group); break;
         case 3: row_group<1, true>(ag, in, w, k_tiles, b0, b1, group); break;
@@ -167,68 +165,34 @@ bool amx_int8_available() {
 #endif
 }
 
-void check_operands(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch,
-                    const char* name) {
+void check_amx(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch,
+               const char* name) {
   TORCH_CHECK(amx_int8_available(), name,
               ": this build or this kernel has no AMX int8 (use _int_mm)");
-  TORCH_CHECK(qx.scalar_type() == at::kChar && qx.dim() == 2 && qx.is_contiguous(), name,
-              ": qx must be contiguous int8 [rows, in]");
-  const int64_t in = qx.size(1);
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 &&
-                  packed.is_contiguous() && packed.size(0) * kTileRows >= out_ch &&
-                  packed.size(0) * kTileRows < out_ch + kTileRows &&
-                  packed.size(1) * kTileK == in && packed.size(2) == kTileK / 4 &&
-                  packed.size(3) == kTileRows * 4,
-              name, ": packed must be int8 [ceil(out / 16), in / 64, 16, 64] for in = ", in,
-              " and out = ", out_ch, "; got ", packed.sizes());
+  check_tiled_operands(qx, packed, out_ch, name);
 }
 
 // The exact int32 sums [rows, out_ch].
 at::Tensor amx_int8_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch) {
-  check_operands(qx, packed, out_ch, "amx_int8_mm");
-  auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kInt));
+  check_amx(qx, packed, out_ch, "amx_int8_mm");
+  return tiled_int8_sums(qx, out_ch, [&](const auto& emit) {
 #ifdef LLM_CLUSTER_AMX
-  int32_t* o = out.data_ptr<int32_t>();
-  product(qx, packed, [&](int64_t g, int64_t n, int64_t b, const int32_t* sums) {
-    const int64_t c0 = b * kTileRows, width = std::min(kTileRows, out_ch - c0);
-    for (int64_t r = 0; r < n; ++r)
-      std::memcpy(o + (g + r) * out_ch + c0, sums + r * kTileRows, width * sizeof(int32_t));
-  });
+    amx_product(qx, packed, emit);
 #endif
-  return out;
+  });
 }
 
-// W8A8's linear from its quantized activations: the sums rescaled as dequantize_int32
-// rescales them (vec_math.h's rescale_row), bit for bit, while they are in L1: no int32
-// [rows, out_ch] in memory and no second op.
+// W8A8's linear from its quantized activations (int8_tiles.h).
 at::Tensor amx_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
                            const at::Tensor& packed, const at::Tensor& col_scale,
                            const c10::optional<at::Tensor>& bias, int64_t out_ch) {
-  check_operands(qx, packed, out_ch, "amx_w8a8_linear");
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
-                  row_scale.numel() == qx.size(0) && col_scale.scalar_type() == at::kFloat &&
-                  col_scale.is_contiguous() && col_scale.numel() == out_ch,
-              "amx_w8a8_linear: row_scale [rows] and col_scale [out] must be contiguous fp32");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == out_ch,
-                "amx_w8a8_linear: bias must be contiguous float32 [out]");
-    bp = bias->data_ptr<float>();
-  }
-  auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kFloat));
+  check_amx(qx, packed, out_ch, "amx_w8a8_linear");
+  return tiled_w8a8_linear(qx, row_scale, col_scale, bias, out_ch, "amx_w8a8_linear",
+                           [&](const auto& emit) {
 #ifdef LLM_CLUSTER_AMX
-  const float* rp = row_scale.data_ptr<float>();
-  const float* cp = col_scale.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  product(qx, packed, [&](int64_t g, int64_t n, int64_t b, const int32_t* sums) {
-    const int64_t c0 = b * kTileRows, width = std::min(kTileRows, out_ch - c0);
-    for (int64_t r = 0; r < n; ++r)
-      rescale_row(sums + r * kTileRows, rp[g + r], cp + c0, bp ? bp + c0 : nullptr, width,
-                  o + (g + r) * out_ch + c0);
-  });
+                             amx_product(qx, packed, emit);
 #endif
-  return out;
+                           });
 }
 
 }  // namespace

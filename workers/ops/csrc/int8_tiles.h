@@ -1,0 +1,78 @@
+// W8A8's int32 product on weights packed in 64-byte quads (packed_weights.pack_tiles):
+// the checks of its operands and the two ways its sums leave a kernel, shared by the AMX
+// kernel (amx_int8_cpu.cpp) and the AVX-512 VNNI one (vnni_int8_cpu.cpp), so that both
+// give the same ops.
+//
+// The packed weight is [N / 16][K / 64][16][64]: tile (j, kk) holds, in its row r, the
+// four inputs 64 kk + 4 r .. + 3 of each of the output channels 16 j .. 16 j + 15, so
+// each block of 16 channels is one sequential run. K must be a multiple of 64; N is
+// padded with zero channels to a multiple of 16.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "vec_math.h"
+
+constexpr int64_t kTileChannels = 16;  // output channels per packed block
+constexpr int64_t kTileK = 64;         // inputs per packed tile
+
+inline void check_tiled_operands(const at::Tensor& qx, const at::Tensor& packed,
+                                 int64_t out_ch, const char* name) {
+  TORCH_CHECK(qx.scalar_type() == at::kChar && qx.dim() == 2 && qx.is_contiguous(), name,
+              ": qx must be contiguous int8 [rows, in]");
+  const int64_t in = qx.size(1);
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 &&
+                  packed.is_contiguous() && packed.size(0) * kTileChannels >= out_ch &&
+                  packed.size(0) * kTileChannels < out_ch + kTileChannels &&
+                  packed.size(1) * kTileK == in && packed.size(2) == kTileK / 4 &&
+                  packed.size(3) == kTileChannels * 4,
+              name, ": packed must be int8 [ceil(out / 16), in / 64, 16, 64] for in = ", in,
+              " and out = ", out_ch, "; got ", packed.sizes());
+}
+
+// A kernel's `product(emit)` calls emit(row, c0, sums, n) with one row's exact sums for
+// the channels c0 .. c0 + n - 1, n a multiple of 16 that may run into the padding.
+
+// The exact int32 sums [rows, out_ch].
+template <typename Product>
+at::Tensor tiled_int8_sums(const at::Tensor& qx, int64_t out_ch, const Product& product) {
+  auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kInt));
+  int32_t* o = out.data_ptr<int32_t>();
+  product([&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
+    std::memcpy(o + r * out_ch + c0, sums, std::min(n, out_ch - c0) * sizeof(int32_t));
+  });
+  return out;
+}
+
+// W8A8's linear from its quantized activations: the sums rescaled as dequantize_int32
+// rescales them (vec_math.h's rescale_row), bit for bit, while they are in L1: no int32
+// [rows, out_ch] in memory and no second op.
+template <typename Product>
+at::Tensor tiled_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
+                             const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
+                             int64_t out_ch, const char* name, const Product& product) {
+  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+                  row_scale.numel() == qx.size(0) && col_scale.scalar_type() == at::kFloat &&
+                  col_scale.is_contiguous() && col_scale.numel() == out_ch,
+              name, ": row_scale [rows] and col_scale [out] must be contiguous fp32");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                    bias->numel() == out_ch,
+                name, ": bias must be contiguous float32 [out]");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kFloat));
+  const float* rp = row_scale.data_ptr<float>();
+  const float* cp = col_scale.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  product([&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
+    rescale_row(sums, rp[r], cp + c0, bp ? bp + c0 : nullptr, std::min(n, out_ch - c0),
+                o + r * out_ch + c0);
+  });
+  return out;
+}
