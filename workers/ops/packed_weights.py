@@ -112,6 +112,7 @@ def packs_tiles(weight: Int8Weight) -> bool:
 
 
 def pack_tiles(weight: Int8Weight, amx: bool) -> TiledInt8Weight:
+    """``weight`` in the tile layout, for the AMX kernel or (``amx`` false) VNNI's."""
     out, inp = weight.qweight.shape
     padded = F.pad(weight.qweight, (0, 0, 0, -out % TILE_CHANNELS))
     tiles = padded.reshape(-1, TILE_CHANNELS, inp // TILE_K, TILE_K // 4, 4)  # [j, c, kk, r, i]

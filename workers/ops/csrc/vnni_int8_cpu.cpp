@@ -14,7 +14,8 @@
 // packed_weights.pack_tiles): the activations are then the broadcast signed operand, and
 // 128 times each row's activation sum is taken off the sums, which stay exact.
 // torch._int_mm repacks its weight on every call and builds a oneDNN kernel for each new
-// row count; at decode batches this is 1.3-1.5x faster (benchmarks/RESULTS.md).
+// row count; at decode batches of 8-64 rows this ran 1.2-1.7x faster than it on a Zen 4
+// EPYC (benchmarks/RESULTS.md).
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
