@@ -165,35 +165,19 @@ bool amx_int8_available() {
 #endif
 }
 
-void check_amx(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch,
-               const char* name) {
-  TORCH_CHECK(amx_int8_available(), name,
-              ": this build or this kernel has no AMX int8 (use _int_mm)");
-  check_tiled_operands(qx, packed, out_ch, name);
-}
-
-// The exact int32 sums [rows, out_ch].
-at::Tensor amx_int8_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch) {
-  check_amx(qx, packed, out_ch, "amx_int8_mm");
-  return tiled_int8_sums(qx, out_ch, [&](const auto& emit) {
+// The kernel as TiledInt8Ops (int8_tiles.h) takes it.
+struct Amx {
+  static constexpr const char* kName = "amx";
+  static constexpr const char* kMissing =
+      "this build or this kernel has no AMX int8 (use _int_mm)";
+  static bool available() { return amx_int8_available(); }
+  template <typename Emit>
+  static void product(const at::Tensor& qx, const at::Tensor& packed, const Emit& emit) {
 #ifdef LLM_CLUSTER_AMX
     amx_product(qx, packed, emit);
 #endif
-  });
-}
-
-// W8A8's linear from its quantized activations (int8_tiles.h).
-at::Tensor amx_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
-                           const at::Tensor& packed, const at::Tensor& col_scale,
-                           const c10::optional<at::Tensor>& bias, int64_t out_ch) {
-  check_amx(qx, packed, out_ch, "amx_w8a8_linear");
-  return tiled_w8a8_linear(qx, row_scale, col_scale, bias, out_ch, "amx_w8a8_linear",
-                           [&](const auto& emit) {
-#ifdef LLM_CLUSTER_AMX
-                             amx_product(qx, packed, emit);
-#endif
-                           });
-}
+  }
+};
 
 }  // namespace
 
@@ -205,6 +189,6 @@ TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
-  m.impl("amx_int8_mm", &amx_int8_mm);
-  m.impl("amx_w8a8_linear", &amx_w8a8_linear);
+  m.impl("amx_int8_mm", &TiledInt8Ops<Amx>::int8_mm);
+  m.impl("amx_w8a8_linear", &TiledInt8Ops<Amx>::w8a8_linear);
 }

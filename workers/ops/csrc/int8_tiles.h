@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "vec_math.h"
 
@@ -34,45 +35,57 @@ inline void check_tiled_operands(const at::Tensor& qx, const at::Tensor& packed,
               " and out = ", out_ch, "; got ", packed.sizes());
 }
 
-// A kernel's `product(emit)` calls emit(row, c0, sums, n) with one row's exact sums for
-// the channels c0 .. c0 + n - 1, n a multiple of 16 that may run into the padding.
-
-// The exact int32 sums [rows, out_ch].
-template <typename Product>
-at::Tensor tiled_int8_sums(const at::Tensor& qx, int64_t out_ch, const Product& product) {
-  auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kInt));
-  int32_t* o = out.data_ptr<int32_t>();
-  product([&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
-    std::memcpy(o + r * out_ch + c0, sums, std::min(n, out_ch - c0) * sizeof(int32_t));
-  });
-  return out;
-}
-
-// W8A8's linear from its quantized activations: the sums rescaled as dequantize_int32
-// rescales them (vec_math.h's rescale_row), bit for bit, while they are in L1: no int32
-// [rows, out_ch] in memory and no second op.
-template <typename Product>
-at::Tensor tiled_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
-                             const at::Tensor& col_scale, const c10::optional<at::Tensor>& bias,
-                             int64_t out_ch, const char* name, const Product& product) {
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
-                  row_scale.numel() == qx.size(0) && col_scale.scalar_type() == at::kFloat &&
-                  col_scale.is_contiguous() && col_scale.numel() == out_ch,
-              name, ": row_scale [rows] and col_scale [out] must be contiguous fp32");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                    bias->numel() == out_ch,
-                name, ": bias must be contiguous float32 [out]");
-    bp = bias->data_ptr<float>();
+// A tile kernel's two ops, the same for each kernel. `Kernel` gives its name (kName, the
+// ops' prefix), why it may be missing (kMissing), whether it runs here (available()),
+// and product(qx, packed, emit), which calls emit(row, c0, sums, n) with one row's exact
+// sums for the channels c0 .. c0 + n - 1, n a multiple of 16 that may run into the
+// padding; product is called only where available() holds.
+template <typename Kernel>
+struct TiledInt8Ops {
+  static void check(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch,
+                    const std::string& op) {
+    TORCH_CHECK(Kernel::available(), op, ": ", Kernel::kMissing);
+    check_tiled_operands(qx, packed, out_ch, op.c_str());
   }
-  auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kFloat));
-  const float* rp = row_scale.data_ptr<float>();
-  const float* cp = col_scale.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  product([&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
-    rescale_row(sums, rp[r], cp + c0, bp ? bp + c0 : nullptr, std::min(n, out_ch - c0),
-                o + r * out_ch + c0);
-  });
-  return out;
-}
+
+  // The exact int32 sums [rows, out_ch].
+  static at::Tensor int8_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch) {
+    check(qx, packed, out_ch, std::string(Kernel::kName) + "_int8_mm");
+    auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kInt));
+    int32_t* o = out.data_ptr<int32_t>();
+    Kernel::product(qx, packed, [&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
+      std::memcpy(o + r * out_ch + c0, sums, std::min(n, out_ch - c0) * sizeof(int32_t));
+    });
+    return out;
+  }
+
+  // W8A8's linear from its quantized activations: the sums rescaled as dequantize_int32
+  // rescales them (vec_math.h's rescale_row), bit for bit, while they are in L1: no int32
+  // [rows, out_ch] in memory and no second op.
+  static at::Tensor w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
+                                const at::Tensor& packed, const at::Tensor& col_scale,
+                                const c10::optional<at::Tensor>& bias, int64_t out_ch) {
+    const std::string op = std::string(Kernel::kName) + "_w8a8_linear";
+    check(qx, packed, out_ch, op);
+    TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
+                    row_scale.numel() == qx.size(0) && col_scale.scalar_type() == at::kFloat &&
+                    col_scale.is_contiguous() && col_scale.numel() == out_ch,
+                op, ": row_scale [rows] and col_scale [out] must be contiguous fp32");
+    const float* bp = nullptr;
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                      bias->numel() == out_ch,
+                  op, ": bias must be contiguous float32 [out]");
+      bp = bias->data_ptr<float>();
+    }
+    auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kFloat));
+    const float* rp = row_scale.data_ptr<float>();
+    const float* cp = col_scale.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    Kernel::product(qx, packed, [&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
+      rescale_row(sums, rp[r], cp + c0, bp ? bp + c0 : nullptr, std::min(n, out_ch - c0),
+                  o + r * out_ch + c0);
+    });
+    return out;
+  }
+};

@@ -127,35 +127,18 @@ bool vnni_int8_available() {
 #endif
 }
 
-void check_vnni(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch,
-                const char* name) {
-  TORCH_CHECK(vnni_int8_available(), name,
-              ": this build has no AVX-512 VNNI (use _int_mm)");
-  check_tiled_operands(qx, packed, out_ch, name);
-}
-
-// The exact int32 sums [rows, out_ch].
-at::Tensor vnni_int8_mm(const at::Tensor& qx, const at::Tensor& packed, int64_t out_ch) {
-  check_vnni(qx, packed, out_ch, "vnni_int8_mm");
-  return tiled_int8_sums(qx, out_ch, [&](const auto& emit) {
+// The kernel as TiledInt8Ops (int8_tiles.h) takes it.
+struct Vnni {
+  static constexpr const char* kName = "vnni";
+  static constexpr const char* kMissing = "this build has no AVX-512 VNNI (use _int_mm)";
+  static bool available() { return vnni_int8_available(); }
+  template <typename Emit>
+  static void product(const at::Tensor& qx, const at::Tensor& packed, const Emit& emit) {
 #ifdef LLM_CLUSTER_VNNI
     vnni_product(qx, packed, emit);
 #endif
-  });
-}
-
-// W8A8's linear from its quantized activations (int8_tiles.h).
-at::Tensor vnni_w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
-                            const at::Tensor& packed, const at::Tensor& col_scale,
-                            const c10::optional<at::Tensor>& bias, int64_t out_ch) {
-  check_vnni(qx, packed, out_ch, "vnni_w8a8_linear");
-  return tiled_w8a8_linear(qx, row_scale, col_scale, bias, out_ch, "vnni_w8a8_linear",
-                           [&](const auto& emit) {
-#ifdef LLM_CLUSTER_VNNI
-                             vnni_product(qx, packed, emit);
-#endif
-                           });
-}
+  }
+};
 
 }  // namespace
 
@@ -167,6 +150,6 @@ TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
-  m.impl("vnni_int8_mm", &vnni_int8_mm);
-  m.impl("vnni_w8a8_linear", &vnni_w8a8_linear);
+  m.impl("vnni_int8_mm", &TiledInt8Ops<Vnni>::int8_mm);
+  m.impl("vnni_w8a8_linear", &TiledInt8Ops<Vnni>::w8a8_linear);
 }
