@@ -137,7 +137,7 @@ void amx_product(const at::Tensor& qx, const at::Tensor& packed, const Emit& emi
       const int8_t* ag = a + g * in;
       const auto group = [&](int64_t b, const int32_t* sums) {
         for (int64_t r = 0; r < n; ++r)
-          emit(g + r, b * kTileRows, sums + r * kTileRows, kTileRows);
+          emit(g + r, b * kTileChannels, sums + r * kTileChannels, kTileChannels);
       };
       switch (row_tiles * 2 + (last < kTileRows)) {
         case 2: row_group<1, false>(ag, in, w, k_tiles, b0, b1, group); break;
