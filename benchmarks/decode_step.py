@@ -5,9 +5,11 @@ replace) and KV dtype, times a whole decode step (forward and LM head) on a page
 whose blocks are spread like a busy server's, the same step with attention skipped, and
 the linear layers alone (``benchmarks.roofline``), in one process on the same weights.
 attention = step - step without attention; other (norms, rotary, KV writes, activation,
-dispatch) = step without attention - linear layers.
+dispatch) = step without attention - linear layers. ``--pools private shared`` times the
+pool a single process allocates (layer-major) and the one a cluster worker keeps in a
+shared segment (block-major, ``kvcache/kv_tensors``) on the same blocks.
 
-    python -m cluster bench decode-step --batch 64 128 --context 300
+    python -m cluster bench decode-step --batch 64 128 --context 300 [--pools private shared]
 """
 
 from __future__ import annotations
@@ -74,24 +76,31 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
                    help="auto: the compiled CPU kernels; torch: the reference ops")
     p.add_argument("--kv-dtype", nargs="+", default=["auto", "float16"],
                    choices=["auto", "float16", "bfloat16"])
+    p.add_argument("--pools", nargs="+", default=["private"], choices=["private", "shared"],
+                   help="private: a process's own pool (layer-major); shared: a cluster "
+                        "worker's, in a shared segment (block-major)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(NUM_THREADS)
     checkpoint = load_checkpoint(None)
     block_size = DEFAULT_BLOCK_SIZE["cpu"]
     num_blocks = max(args.batch) * -(-max(args.context) // block_size)
-    print("| ops | KV dtype | batch | context | step ms | attention ms | other ms | "
-          "linear ms | linear ÷ step |\n|---|---|---|---|---|---|---|---|---|")
+    print("| ops | KV dtype | pool | batch | context | step ms | attention ms | other ms | "
+          "linear ms | linear ÷ step |\n|---|---|---|---|---|---|---|---|---|---|")
     for ops in args.ops:
         for kv_dtype in args.kv_dtype:
-            runner = ModelRunner(checkpoint, CacheConfig(kv_dtype=kv_dtype), torch.device("cpu"),
-                                 max(args.context) + 1, num_blocks=num_blocks, ops=ops)
+            runners = {pool: ModelRunner(checkpoint, CacheConfig(kv_dtype=kv_dtype),
+                                         torch.device("cpu"), max(args.context) + 1,
+                                         num_blocks=num_blocks, ops=ops,
+                                         shared_pool=pool == "shared") for pool in args.pools}
             for batch in args.batch:
                 for context in args.context:
-                    r = step_split(runner, batch, context, args.repeats)
-                    print(f"| {runner.ops.name} | {runner.kv_shape.dtype} | {batch} | {context} "
-                          f"| {r['step']:.1f} | {r['attention']:.1f} | {r['other']:.1f} | "
-                          f"{r['linear']:.1f} | {r['linear'] / r['step']:.0%} |", flush=True)
+                    for pool, runner in runners.items():   # in turns, on the same blocks
+                        r = step_split(runner, batch, context, args.repeats)
+                        print(f"| {runner.ops.name} | {runner.kv_shape.dtype} | {pool} | "
+                              f"{batch} | {context} | {r['step']:.1f} | {r['attention']:.1f} | "
+                              f"{r['other']:.1f} | {r['linear']:.1f} | "
+                              f"{r['linear'] / r['step']:.0%} |", flush=True)
     return 0
 
 

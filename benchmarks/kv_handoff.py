@@ -2,7 +2,8 @@
 
 For the default model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64,
 block size 16), one sequence's blocks move from one pool to another, both in shared
-segments as a worker's host pool is. ``--ids scattered`` (the default) picks each side's
+segments as a worker's host pool is (block-major: a block of every layer is one run,
+``kvcache/kv_tensors``). ``--ids scattered`` (the default) picks each side's
 block ids at random from the whole pool, the worst case a long-used pool can come to;
 ``--ids fresh`` takes them from a fresh ``BlockPool`` on each side, as the engine's
 allocator hands them out before its pools have churned (ascending, consecutive ids):
@@ -19,7 +20,9 @@ allocator hands them out before its pools have churned (ascending, consecutive i
 - pickle: gather per-layer tensors -> pickle.dumps -> pickle.loads -> index_copy_ into
   the pool, in the same parts;
 - memcpy: one torch copy_ of the same number of bytes between the two pools' memory
-  (contiguous), the bandwidth ceiling of any copy on this machine.
+  (contiguous), the bandwidth ceiling of any copy on this machine;
+- with ``--layer-major-too``, shm again between two layer-major pools (a block in
+  ``2 * layers`` slabs, the order before block-major shared pools), on the same ids.
 
 The four paths run in turns, round after round, so load from other work on the machine
 falls on all of them alike; each figure is the median of --repeats rounds (more for short
@@ -36,6 +39,7 @@ rest prefills, so the handoff moves the last chunk) and one with it off.
 
     python benchmarks/kv_handoff.py [--tokens 512 2048 ... 65536] [--repeats 3] [--threads N]
                                     [--ids scattered|fresh] [--cold-store] [--json]
+                                    [--layer-major-too]
     python benchmarks/kv_handoff.py --gap [--gap-tokens 8176] [--repeats 3] [--gap-push on off]
 """
 
@@ -135,9 +139,11 @@ def pickled(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor,
             kv.index_copy_(1, dst_ids[a:b], blocks)
 
 
-def shared_pool(shape: KVShape, num_blocks: int) -> tuple[SharedSegment, list[torch.Tensor]]:
+def shared_pool(shape: KVShape, num_blocks: int,
+                block_major: bool = True) -> tuple[SharedSegment, list[torch.Tensor]]:
     segment = SharedSegment(num_blocks * shape.bytes_per_block, name="kvpool-bench")
-    return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer)
+    return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer,
+                                      block_major)
 
 
 def block_ids(pattern: str, pool_blocks: int, n: int, g: torch.Generator) -> torch.Tensor:
@@ -149,7 +155,7 @@ def block_ids(pattern: str, pool_blocks: int, n: int, g: torch.Generator) -> tor
 
 
 def run(dtype_name: str, token_counts: list[int], repeats: int,
-        ids: str = "scattered") -> list[dict]:
+        ids: str = "scattered", layer_major_too: bool = False) -> list[dict]:
     shape = kv_shape(DTYPES[dtype_name])
     meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
     pool_blocks = max(token_counts) // BLOCK_SIZE + 64
@@ -159,6 +165,14 @@ def run(dtype_name: str, token_counts: list[int], repeats: int,
         kv.normal_()
     peers = PeerSegments()
     sums = (pool_checksums(src), pool_checksums(dst))
+    paths = PATHS + (("shm_layer_major",) if layer_major_too else ())
+    if layer_major_too:
+        lm_segment, lm_src = shared_pool(shape, pool_blocks, block_major=False)
+        _, lm_dst = shared_pool(shape, pool_blocks, block_major=False)
+        for a, b in zip(lm_src, src, strict=True):
+            a.copy_(b)
+        lm_sums = (pool_checksums(lm_src), pool_checksums(lm_dst))
+        lm_phases: dict[str, list[float]] = {"seal": [], "export": [], "import": []}
     g = torch.Generator().manual_seed(0)
     rows = []
     for tokens in token_counts:
@@ -174,7 +188,7 @@ def run(dtype_name: str, token_counts: list[int], repeats: int,
         phases: dict[str, list[float]] = {"export": [], "put": [], "get": [], "import": []}
         shm_phases: dict[str, list[float]] = {"seal": [], "export": [], "import": []}
         ids_list, dst_list = src_ids.tolist(), dst_ids.tolist()
-        times: dict[str, list[float]] = {k: [] for k in PATHS}
+        times: dict[str, list[float]] = {k: [] for k in paths}
         for _ in range(reps + 1):
             times["memcpy"].append(timed(b.copy_, a))
             seal(sums[0], ids_list, shm_phases)
@@ -183,10 +197,15 @@ def run(dtype_name: str, token_counts: list[int], repeats: int,
             times["object_store"].append(timed(object_store, src, dst, ids_list, dst_list,
                                                meta, parts, phases))
             times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids, parts))
+            if layer_major_too:
+                seal(lm_sums[0], ids_list, lm_phases)
+                times["shm_layer_major"].append(timed(
+                    shared_memory, lm_src, lm_dst, ids_list, dst_list, meta, lm_segment, peers,
+                    lm_sums, lm_phases))
         assert all(torch.equal(d[:, dst_ids], s[:, src_ids]) for d, s in zip(dst, src))
         row = {"dtype": dtype_name, "tokens": tokens, "blocks": n, "bytes": nbytes,
                "MB": nbytes / 1e6, "parts": len(parts)}
-        for path in PATHS:
+        for path in paths:
             row[f"{path}_s"] = statistics.median(times[path][1:])
             row[f"{path}_GBps"] = nbytes / row[f"{path}_s"] / 1e9
             row[f"{path}_frac_memcpy"] = row["memcpy_s"] / row[f"{path}_s"]
@@ -256,18 +275,20 @@ def markdown(rows: list[dict]) -> str:
         return [f"{1e3 * r[f'{name}_s']:.1f}", f"{r[f'{name}_GBps']:.2f}",
                 f"{r[f'{name}_frac_memcpy']:.0%}"]
 
+    layer_major = "shm_layer_major_s" in rows[0]
     return "\n".join(table(
         ["dtype", "tokens", "MB", "memcpy ms", "GB/s", "shm ms", "GB/s", "of memcpy",
          "export / import ms", "seal ms (in the steps)",
          "object store ms", "GB/s", "of memcpy", "parts", "export / put / get / import ms",
-         "pickle ms", "GB/s", "of memcpy"],
+         "pickle ms", "GB/s", "of memcpy"]
+        + (["shm layer-major ms", "GB/s", "of memcpy"] if layer_major else []),
         [[r["dtype"], str(r["tokens"]), f"{r['MB']:.1f}", *path(r, "memcpy")[:2],
           *path(r, "shm"), f"{1e3 * r['shm_export_s']:.1f} / {1e3 * r['shm_import_s']:.1f}",
           f"{1e3 * r['shm_seal_s']:.1f}",
           *path(r, "object_store"), str(r["parts"]),
           " / ".join(f"{1e3 * r[f'object_store_{k}_s']:.1f}"
                      for k in ("export", "put", "get", "import")),
-          *path(r, "pickle")]
+          *path(r, "pickle"), *(path(r, "shm_layer_major") if layer_major else [])]
          for r in rows]))
 
 
@@ -285,6 +306,8 @@ def main() -> None:
     ap.add_argument("--cold-store", action="store_true",
                     help="do not write the object store's memory once before measuring")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    ap.add_argument("--layer-major-too", action="store_true",
+                    help="also time shm between layer-major pools (two more pools' memory)")
     ap.add_argument("--gap", action="store_true",
                     help="measure the first -> second token gap on 1 prefill + 1 decode")
     ap.add_argument("--gap-tokens", type=int, default=8176,
@@ -313,7 +336,8 @@ def main() -> None:
     try:
         if not args.cold_store:
             touch_object_store()
-        rows = [row for d in args.dtypes for row in run(d, args.tokens, args.repeats, args.ids)]
+        rows = [row for d in args.dtypes
+                for row in run(d, args.tokens, args.repeats, args.ids, args.layer_major_too)]
     finally:
         ray.shutdown()
     copy = "native C" if native_copier() is not None else "numpy + crc32c package"

@@ -20,10 +20,12 @@ class HostKVStore:
     def __init__(self, shape: KVShape, num_blocks: int, pin: bool = False) -> None:
         self.num_blocks = num_blocks
         # Uninitialised: a host block is always written before it is read, and untouched
-        # pages of a large budget cost no memory until the tier fills.
-        self.kv = torch.empty((shape.num_layers, 2, num_blocks, shape.block_size,
-                               shape.num_kv_heads, shape.head_dim), dtype=shape.dtype,
-                              pin_memory=pin)
+        # pages of a large budget cost no memory until the tier fills. Block-major
+        # (kv_tensors), as shared pools are, so a handoff copies a block as one run.
+        blocks = torch.empty((num_blocks, shape.num_layers, 2, shape.block_size,
+                              shape.num_kv_heads, shape.head_dim), dtype=shape.dtype,
+                             pin_memory=pin)
+        self.kv = blocks.permute(1, 2, 0, 3, 4, 5)   # [L, 2, blocks, bs, KVH, D]
 
     def offload(self, kv_caches: list[torch.Tensor], device_ids: list[int],
                 host_ids: list[int]) -> None:

@@ -1,14 +1,26 @@
 """Preallocated KV memory of one pool, in the ND layout (or NZ, see ``kv_layout``).
 
 One tensor per layer, ``(2, num_blocks, block_size, kv_heads, head_dim)``: index 0
-holds keys and 1 values, so a block's K and V of a layer are two contiguous slabs
-and a token's slot is ``block_id * block_size + offset``. The layers are consecutive
-views of one allocation, so a KV handoff moves a block of every layer in one torch op.
+holds keys and 1 values, a block's K (or V) of a layer is one contiguous slab, and a
+token's slot is ``block_id * block_size + offset``. The layers are views of one
+allocation, in one of two orders:
+
+- layer-major (the default): each layer's tensor is contiguous, as device kernels
+  (flash-attn, torch_npu) read it;
+- block-major: a block's slabs of every layer lie together, in KV-batch row order
+  (layer, K/V), so a block is one contiguous run. Peers copy whole blocks out of a
+  shared pool: one run a block instead of ``2 * layers`` scattered slabs copied at
+  1.2-1.4x memcpy's rate against 0.75-0.88x (fp16, 4 KB pages), for a few percent on
+  decode attention over consecutive blocks (``benchmarks/RESULTS.md``, issue #19).
+  Kernels reach a block through the layer tensor's ``stride(1)``.
+
+``pool_runs`` recognises either order from the tensors' strides.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,18 +65,57 @@ class KVShape:
 
 
 def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device,
-                      buffer: memoryview | None = None) -> list[torch.Tensor]:
-    """The pool's layers; over the start of ``buffer`` (zeroed host memory, such as a
-    shared segment) when given, else a fresh zeroed allocation on ``device``."""
-    dims = (shape.num_layers, *shape.layer_shape(num_blocks))
+                      buffer: memoryview | None = None,
+                      block_major: bool = False) -> list[torch.Tensor]:
+    """The pool's layers, in either order (module docstring); over the start of
+    ``buffer`` (zeroed host memory, such as a shared segment) when given, else a fresh
+    zeroed allocation on ``device``."""
+    dims = ((num_blocks, shape.num_layers, 2) if block_major
+            else (shape.num_layers, 2, num_blocks)) + shape.block_shape
     if buffer is None:
-        pool = torch.zeros(dims, dtype=shape.dtype, device=device)
+        memory = torch.zeros(dims, dtype=shape.dtype, device=device)
     else:
         if device.type != "cpu":
             raise ValueError(f"kv pool buffer: got one for device {device}; a buffer holds "
                              "host memory, so only a cpu pool can live in it")
-        pool = torch.frombuffer(buffer, dtype=shape.dtype, count=math.prod(dims)).view(dims)
+        memory = torch.frombuffer(buffer, dtype=shape.dtype, count=math.prod(dims)).view(dims)
+    pool = memory.permute(1, 2, 0, *range(3, len(dims))) if block_major else memory
     return list(pool.unbind(0))
+
+
+def pool_runs(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The pool as ``(runs, num_blocks, elems)``: each block's elements as ``runs``
+    contiguous runs in KV-batch row order (layer, K/V), one in a block-major pool and
+    ``2 * layers`` in a layer-major one; None unless the layers are one allocation in
+    one of those orders (``allocate_kv_cache``'s)."""
+    first = kv_caches[0]
+    layers, num_blocks = len(kv_caches), first.shape[1]
+    slab = math.prod(first.shape[2:])
+    if not blocks_contiguous(first):
+        return None
+    if first.stride()[:2] == (num_blocks * slab, slab):
+        step, shape = 2 * num_blocks * slab, (2 * layers, num_blocks, slab)
+    elif first.stride()[:2] == (slab, 2 * layers * slab):
+        step, shape = 2 * slab, (1, num_blocks, 2 * layers * slab)
+    else:
+        return None
+    storage, start = first.untyped_storage().data_ptr(), first.data_ptr()
+    if not all(kv.untyped_storage().data_ptr() == storage and kv.stride() == first.stride()
+               and kv.data_ptr() == start + i * step * first.element_size()
+               for i, kv in enumerate(kv_caches)):
+        return None
+    return first.as_strided(shape, (shape[1] * shape[2], shape[2], 1))
+
+
+def blocks_contiguous(kv: torch.Tensor) -> bool:
+    """Whether each block of a layer ``kv`` [2, num_blocks, *block] is contiguous, as both
+    orders keep it."""
+    step = 1
+    for n, stride in zip(reversed(kv.shape[2:]), reversed(kv.stride()[2:])):
+        if n != 1 and stride != step:
+            return False
+        step *= n
+    return True
 
 
 def slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

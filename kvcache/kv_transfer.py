@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 
 from kvcache.kv_layout import LAYOUTS, block_shape, convert_blocks
-from kvcache.kv_tensors import KVShape
+from kvcache.kv_tensors import KVShape, blocks_contiguous
 from kvcache.pool_rows import HostRows, block_id_fault, gather_rows, place_rows
 
 FORMAT_VERSION = "2"   # 2: checksum over chunk sums (1: CRC-32)
@@ -281,10 +281,10 @@ def _check_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta) -> None:
     layer_shape = (2, kv_caches[0].shape[1], *meta.layer_block_shape)
     dtype = _WIRE.get(meta.dtype, (None,))[0]
     for kv in kv_caches:
-        if kv.dtype != dtype or kv.shape != layer_shape or not kv.is_contiguous():
+        if kv.dtype != dtype or kv.shape != layer_shape or not blocks_contiguous(kv):
             raise ValueError(f"kv_caches: got a {kv.dtype} layer of shape {tuple(kv.shape)}; "
-                             f"expected contiguous {meta.dtype} (2, num_blocks, "
-                             f"{', '.join(map(str, layer_shape[2:]))})")
+                             f"expected {meta.dtype} (2, num_blocks, "
+                             f"{', '.join(map(str, layer_shape[2:]))}) with contiguous blocks")
     if len(kv_caches) != meta.num_layers:
         raise ValueError(f"kv_caches: got {len(kv_caches)} layers; expected {meta.num_layers}")
 

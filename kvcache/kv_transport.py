@@ -37,6 +37,7 @@ import pyarrow as pa
 import torch
 
 from kvcache.block_checksum import BlockChecksums, BlockIdError, copy_verified
+from kvcache.kv_tensors import pool_runs
 from kvcache.kv_transfer import (
     _WIRE,
     HostRows,
@@ -49,7 +50,6 @@ from kvcache.kv_transfer import (
     _values_view,
     check_metadata,
 )
-from kvcache.pool_rows import pool_slabs
 from kvcache.shm_segment import PeerSegments, SegmentError, SegmentHandle
 
 MAX_PART_BYTES = 256 << 20
@@ -137,9 +137,9 @@ def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     """The description of blocks ``block_ids`` of a pool that lies at the start of
     ``segment``: no payload, a checksum per block from the pool's ``checksums`` (those
     stored when the blocks were written; the others hashed now)."""
-    _check_shared_pool(kv_caches, meta, checksums)
+    slabs = _check_shared_pool(kv_caches, meta, checksums)
     src = np.asarray(block_ids, dtype=np.int32)
-    fields = {"num_blocks": kv_caches[0].shape[1],
+    fields = {"num_blocks": kv_caches[0].shape[1], "block_runs": slabs.shape[0],
               **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS}}
     return describe(Transport.SHARED_MEMORY, meta, block_hashes, token_counts,
                     checksums.of(src), summaries, fields, src)
@@ -242,9 +242,14 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         segment = SegmentHandle(*(int(received[f"segment_{k}".encode()])
                                   for k in _SEGMENT_FIELDS))
         src_blocks = int(received[b"num_blocks"])
+        src_runs = int(received[b"block_runs"])
     except (KeyError, ValueError) as e:
         raise KVTransferError(f"KV description: no segment ({e!r}); expected the metadata "
                               "export_shared writes") from e
+    if src_runs != dst.shape[0]:
+        raise KVTransferError(f"KV segment: the sender's pool holds a block in {src_runs} "
+                              f"runs, this one in {dst.shape[0]}; expected pools of one order "
+                              "(allocate_kv_cache's block_major)")
     src, sums = d.src, d.checksums
     if src is None:
         raise KVTransferError("KV description: no src_block column; expected the columns "
@@ -272,8 +277,7 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         else:
             checksums.stored(ids, sums[pool_rows])   # each verified as it landed
             if host:
-                host_bytes = host.kv.view(torch.uint8).numpy().reshape(dst.shape[0], -1,
-                                                                       slab_bytes)
+                host_bytes = _slab_bytes(host.kv.unbind(0))
                 rows = np.arange(h0, h0 + num_host)
                 bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
                                     threads)
@@ -300,25 +304,29 @@ def _check_shared_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta,
     if (checked is not None and checked[0] is first and checked[1] == len(kv_caches)
             and (checked[2] is meta or checked[2] == meta)):
         return slabs   # this pool and layout passed below before: each handoff asks twice
-    slab_bytes = math.prod(meta.layer_block_shape) * _WIRE[meta.dtype][0].itemsize
-    want = (2 * meta.num_layers, kv_caches[0].shape[1], slab_bytes)
+    block_bytes = 2 * meta.num_layers * math.prod(meta.layer_block_shape) * (
+        _WIRE[meta.dtype][0].itemsize)
+    runs, num_blocks, run_bytes = slabs.shape
     if (len(kv_caches) != meta.num_layers or kv_caches[0].dtype != _WIRE[meta.dtype][0]
-            or slabs.shape != want or slabs.ctypes.data != kv_caches[0].data_ptr()):
+            or num_blocks != kv_caches[0].shape[1] or runs * run_bytes != block_bytes
+            or slabs.ctypes.data != kv_caches[0].data_ptr()):
         raise ValueError(f"kv_caches: {len(kv_caches)} {kv_caches[0].dtype} layers whose "
                          f"checksum store views {slabs.shape} bytes; expected {meta.num_layers} "
                          f"{meta.dtype} layers of {meta.layer_block_shape} blocks and their "
-                         f"own store (pool_checksums of kv_caches) of {want}")
+                         f"own store (pool_checksums of kv_caches) of {kv_caches[0].shape[1]} "
+                         f"blocks of {block_bytes} bytes")
     checksums.checked_pool = (first, len(kv_caches), meta)
     return slabs
 
 
 def _slab_bytes(kv_caches: Sequence[torch.Tensor]) -> np.ndarray:
-    """The pool as ``(layers * 2, num_blocks, slab_bytes)`` bytes (``block_checksum``'s)."""
-    slabs = pool_slabs(kv_caches)
-    if slabs is None or kv_caches[0].device.type != "cpu":
+    """The pool as ``(runs, num_blocks, run_bytes)`` bytes (``pool_runs``'s, as
+    ``block_checksum`` reads them)."""
+    runs = pool_runs(kv_caches)
+    if runs is None or kv_caches[0].device.type != "cpu":
         raise ValueError("kv_caches: expected a host pool whose layers are slices of one "
                          "allocation (allocate_kv_cache's) for the shared-memory transport")
-    return slabs.view(torch.uint8).numpy().reshape(2 * len(kv_caches), kv_caches[0].shape[1], -1)
+    return runs.view(torch.uint8).numpy()
 
 
 def _digest(counts: np.ndarray, hashes: Sequence[bytes | None], checksums: np.ndarray,

@@ -1,8 +1,8 @@
 """Whole KV blocks between a pool and rows ``[n, L, 2, elems]`` (one block per row, its
 K and V of every layer): the gather an export starts with and the scatter an import
 ends with, for every transport. Each is one ``index_select``/``index_copy_`` over all
-layers when the pool is one allocation (``allocate_kv_cache``'s), else one per layer;
-both run on torch's threads and move 16-byte words where the slab size allows.
+layers when the pool is one allocation (``allocate_kv_cache``'s, in either order), else
+one per layer; both run on torch's threads and move 16-byte words where the runs allow.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from kvcache.kv_tensors import pool_runs
 
 
 @dataclass
@@ -40,11 +42,11 @@ def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torc
     row_words = as_words(rows)
     slabs = pool_slabs(kv_caches)
     if slabs is not None:
-        torch.index_select(slabs, 0, slab_ids(ids, kv_caches),
-                           out=row_words.view(-1, row_words.shape[-1]))
+        torch.index_select(slabs, 0, slab_ids(ids, slabs, kv_caches),
+                           out=row_words.view(-1, slabs.shape[-1]))
     else:
         for layer, kv in enumerate(kv_caches):
-            for kind, slab in enumerate(as_words(kv.view(2, kv.shape[1], -1))):
+            for kind, slab in enumerate(as_words(kv.flatten(2))):
                 torch.index_select(slab, 0, ids, out=row_words[:, layer, kind])
 
 
@@ -68,39 +70,39 @@ def scatter_rows(src: torch.Tensor, kv_caches: Sequence[torch.Tensor], ids: np.n
     device_ids = torch.from_numpy(ids).to(device)
     slabs = pool_slabs(kv_caches)
     if slabs is not None:
-        slabs.index_copy_(0, slab_ids(device_ids, kv_caches),
-                          src_words.view(-1, src_words.shape[-1]))
+        slabs.index_copy_(0, slab_ids(device_ids, slabs, kv_caches),
+                          src_words.view(-1, slabs.shape[-1]))
     else:
         for layer, kv in enumerate(kv_caches):
-            for kind, slab in enumerate(as_words(kv.view(2, kv.shape[1], -1))):
+            for kind, slab in enumerate(as_words(kv.flatten(2))):
                 slab.index_copy_(0, device_ids, src_words[:, layer, kind])
 
 
 def pool_slabs(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The pool as one ``(layers * 2 * num_blocks, words)`` view of its K/V slabs when the
-    layers are consecutive slices of one allocation (``allocate_kv_cache``'s), else None.
+    """The pool's ``pool_runs`` as one ``(runs * num_blocks, words)`` view, or None when
+    the layers are not one allocation.
 
     Over it a handoff is one torch op, whose threads start and join once: per layer and
     K/V, 60 ops on the default model, each stalled by a thread the shared machine did not
     schedule, took 10x longer under load. Over small slices torch's index_select copies
     each with one memcpy.
     """
-    first = kv_caches[0]
-    layer_bytes = first.numel() * first.element_size()
-    storage = first.untyped_storage().data_ptr()
-    if not all(kv.untyped_storage().data_ptr() == storage
-               and kv.data_ptr() == first.data_ptr() + i * layer_bytes
-               for i, kv in enumerate(kv_caches)):
+    runs = pool_runs(kv_caches)
+    if runs is None:
         return None
-    slab = math.prod(first.shape[2:])
-    whole = first.as_strided((len(kv_caches) * 2 * first.shape[1], slab), (slab, 1))
-    return as_words(whole)
+    # Words as wide as a slab allows, as the rows [n, L, 2, elems] are read.
+    slabs = runs.view(*runs.shape[:2], -1, math.prod(kv_caches[0].shape[2:]))
+    return as_words(slabs).view(runs.shape[0] * runs.shape[1], -1)
 
 
-def slab_ids(block_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The slabs of ``pool_slabs`` that hold the blocks, in row order (block, layer, K/V)."""
+def slab_ids(block_ids: torch.Tensor, slabs: torch.Tensor,
+             kv_caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The rows of ``pool_slabs`` that hold the blocks, in row order (block, then its runs)."""
     num_blocks = kv_caches[0].shape[1]
-    starts = torch.arange(2 * len(kv_caches), device=block_ids.device) * num_blocks
+    runs = slabs.shape[0] // num_blocks
+    if runs == 1:
+        return block_ids
+    starts = torch.arange(runs, device=block_ids.device) * num_blocks
     return (block_ids[:, None] + starts[None, :]).reshape(-1)
 
 

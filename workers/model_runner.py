@@ -119,8 +119,9 @@ class ModelRunner:
         # (every write below tells it), so a handoff sends them without hashing its blocks.
         self.kv_checksums: BlockChecksums | None = None
         if self.kv_segment is not None:
+            # Block-major: peers copy whole blocks out of it (kv_tensors).
             self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
-                                               self.kv_segment.buffer)
+                                               self.kv_segment.buffer, block_major=True)
             self.kv_checksums = pool_checksums(self.kv_caches)
         else:
             # Graphs' padding rows write into one extra block, never given to the scheduler.

@@ -32,11 +32,12 @@ def make_meta(dtype: torch.dtype = torch.float16,
     return KVLayoutMeta.from_shape(KVShape(*shape, dtype), FINGERPRINT)
 
 
-def make_pool(meta: KVLayoutMeta, num_blocks: int, seed: int) -> list[torch.Tensor]:
+def make_pool(meta: KVLayoutMeta, num_blocks: int, seed: int,
+              block_major: bool = False) -> list[torch.Tensor]:
     """A pool of random bit patterns: NaN payloads and subnormals must survive too."""
     shape = KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads, meta.head_dim,
                     getattr(torch, meta.dtype))
-    pool = allocate_kv_cache(shape, num_blocks, torch.device("cpu"))
+    pool = allocate_kv_cache(shape, num_blocks, torch.device("cpu"), block_major=block_major)
     g = torch.Generator().manual_seed(seed)
     for kv in pool:
         bits = kv.view(torch.uint8)
@@ -71,12 +72,17 @@ def assert_untouched(pool, before) -> None:
     assert all(torch.equal(bits(kv), bits(b)) for kv, b in zip(pool, before, strict=True))
 
 
+@pytest.mark.parametrize("orders", [(False, False), (True, False), (False, True)],
+                         ids=["layer-major", "block-major-to-layer-major",
+                              "layer-major-to-block-major"])
 @pytest.mark.parametrize("via_ipc", [False, True], ids=["batch", "ipc"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_round_trip_is_bit_exact(dtype, shape, via_ipc):
+def test_round_trip_is_bit_exact(dtype, shape, via_ipc, orders):
+    """Between pools of either order (kv_tensors): the rows are the same either way."""
     meta = make_meta(dtype, shape)
-    src, dst = make_pool(meta, 12, seed=1), make_pool(meta, 10, seed=2)
+    src, dst = make_pool(meta, 12, seed=1, block_major=orders[0]), make_pool(
+        meta, 10, seed=2, block_major=orders[1])
     src_ids, dst_ids = [7, 2, 9, 4, 0], [1, 8, 3, 5, 6]
     hashes, counts = seq_blocks(meta, len(src_ids))
     before = snapshot(dst)

@@ -21,6 +21,7 @@ import torch
 
 from kvcache import kv_transport
 from kvcache.block_checksum import block_checksum, copy_verified
+from kvcache.host_tier import HostKVStore
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import HostRows, KVTransferError, export_blocks, from_ipc_buffer
 from kvcache.kv_transport import (
@@ -49,22 +50,26 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def shared_pool(meta, num_blocks: int, seed: int) -> tuple[SharedSegment, list[torch.Tensor]]:
-    """A pool of random bit patterns in a shared segment, as a worker's host pool is."""
+def shared_pool(meta, num_blocks: int, seed: int,
+                block_major: bool = True) -> tuple[SharedSegment, list[torch.Tensor]]:
+    """A pool of random bit patterns in a shared segment, block-major as a worker's host
+    pool is (unless told otherwise)."""
     shape = KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads, meta.head_dim,
                     getattr(torch, meta.dtype))
     segment = SharedSegment(num_blocks * shape.bytes_per_block)
     segment.buffer[:] = np.random.default_rng(seed).integers(
         0, 256, segment.handle.nbytes, dtype=np.uint8).tobytes()
-    return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer)
+    return segment, allocate_kv_cache(shape, num_blocks, torch.device("cpu"), segment.buffer,
+                                      block_major)
 
 
+@pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "layer-major"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_shared_memory_handoff_is_bit_exact(dtype, shape, copy_path):
+def test_shared_memory_handoff_is_bit_exact(dtype, shape, copy_path, block_major):
     meta = make_meta(dtype, shape)
-    seg, src = shared_pool(meta, 8, seed=1)
-    _, dst = shared_pool(meta, 8, seed=2)
+    seg, src = shared_pool(meta, 8, seed=1, block_major=block_major)
+    _, dst = shared_pool(meta, 8, seed=2, block_major=block_major)
     src_ids, dst_ids = [5, 0, 7, 2], [3, 6, 1, 4]
     batch = export_shared(src, src_ids, *seq_blocks(meta, 4), meta, seg.handle,
                           pool_checksums(src))
@@ -99,8 +104,9 @@ def test_host_rows_and_summaries_arrive_bit_exact():
     summaries = torch.randn(5, meta.num_layers, 2, meta.num_kv_heads, meta.head_dim)
     batch = export_shared(src, [6, 1, 4, 0, 3], *seq_blocks(meta, 5), meta, seg.handle,
                           pool_checksums(src), summaries)
-    host_kv = torch.zeros(meta.num_layers, 2, 4, meta.block_size, meta.num_kv_heads,
-                          meta.head_dim, dtype=torch.float16)
+    host_kv = HostKVStore(KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads,
+                                  meta.head_dim, torch.float16), 4).kv
+    host_kv.zero_()
     got = import_shared(batch, dst, [5, 2, 7], meta, PeerSegments(), pool_checksums(dst),
                         HostRows(1, [3, 0], host_kv))
     assert torch.equal(got.summaries, summaries)
@@ -110,11 +116,12 @@ def test_host_rows_and_summaries_arrive_bit_exact():
                            kv[:, [1, 4]].view(torch.uint8))
 
 
-def test_block_checksum_is_crc32c_of_the_batch_row():
-    """Taken over the pool's slabs in place, it equals CRC32C of the row the object-store
+@pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "layer-major"])
+def test_block_checksum_is_crc32c_of_the_batch_row(block_major):
+    """Taken over the pool's runs in place, it equals CRC32C of the row the object-store
     batch carries for that block (an independent computation over contiguous bytes)."""
     meta = make_meta(torch.float32, SHAPES[1])
-    _, pool = shared_pool(meta, 4, seed=7)
+    _, pool = shared_pool(meta, 4, seed=7, block_major=block_major)
     batch = export_blocks(pool, [2, 0], *seq_blocks(meta, 2), meta)
     rows = np.frombuffer(batch.column("kv").storage.flatten().buffers()[1],
                          dtype=np.uint8).reshape(2, -1)
@@ -170,6 +177,33 @@ def test_a_sender_block_outside_its_pool_is_a_transfer_error_a_repeated_destinat
     assert not isinstance(refused.value, KVTransferError)
     assert_untouched(dst, before)
     assert store.has([0, 1, 2, 3]).all() and (store.of([0, 1, 2, 3]) == sums).all()
+
+
+def test_a_block_major_pool_holds_each_block_as_one_run_in_row_order():
+    """What makes a handoff one copy a block: the pool's bytes of a block are the row the
+    object-store batch carries, at block * row bytes from the pool's start."""
+    meta = make_meta(torch.bfloat16, SHAPES[0])
+    seg, pool = shared_pool(meta, 5, seed=22)
+    rows = export_blocks(pool, [3, 0], *seq_blocks(meta, 2), meta).column("kv").storage
+    row_bytes = np.frombuffer(rows.flatten().buffers()[1], dtype=np.uint8).reshape(2, -1)
+    segment = np.frombuffer(seg.buffer, dtype=np.uint8)
+    for row, block in zip(row_bytes, (3, 0)):
+        assert (segment[block * row.size:(block + 1) * row.size] == row).all()
+    assert _slab_bytes(pool).shape == (1, 5, row_bytes.shape[1])
+
+
+def test_pools_of_different_orders_refuse_a_handoff_untouched():
+    """A receiver reads the sender's segment in its own order: pools of two orders would
+    mix up bytes, so the description's order is checked first (and recomputed)."""
+    meta = make_meta(torch.float16)
+    seg, src = shared_pool(meta, 4, seed=23, block_major=True)
+    _, dst = shared_pool(meta, 4, seed=24, block_major=False)
+    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle,
+                          pool_checksums(src))
+    before = snapshot(dst)
+    with pytest.raises(KVTransferError, match="1 runs, this one in 4"):
+        import_shared(batch, dst, [2, 3], meta, PeerSegments(), pool_checksums(dst))
+    assert_untouched(dst, before)
 
 
 def test_a_description_for_another_pool_is_refused_untouched():
@@ -236,7 +270,7 @@ _SENDER = textwrap.dedent("""
     seg = SharedSegment(8 * shape.bytes_per_block, name="kvpool-killed-sender")
     seg.buffer[:] = np.random.default_rng(12).integers(
         0, 256, seg.handle.nbytes, dtype=np.uint8).tobytes()
-    pool = allocate_kv_cache(shape, 8, torch.device("cpu"), seg.buffer)
+    pool = allocate_kv_cache(shape, 8, torch.device("cpu"), seg.buffer, block_major=True)
     batch = export_shared(pool, [6, 2, 4], *seq_blocks(meta, 3), meta, seg.handle,
                           pool_checksums(pool))
     open(sys.argv[1], "wb").write(to_ipc_bytes(batch))
@@ -288,7 +322,7 @@ def test_a_sender_killed_mid_handoff_leaves_a_consistent_receiver_and_no_segment
     want = np.random.default_rng(12).integers(0, 256, handle.nbytes, dtype=np.uint8)
     src = allocate_kv_cache(KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads,
                                     meta.head_dim, torch.float16), 8, torch.device("cpu"),
-                            memoryview(want))
+                            memoryview(want), block_major=True)
     assert_blocks_equal(dst, [1, 7, 3], src, [6, 2, 4])
     before = snapshot(dst)
     with pytest.raises(KVTransferError, match="cannot open.*owner has exited"):

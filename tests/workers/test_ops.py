@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from kvcache.kv_quant import dequantize_rows, quantize_rows
+from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from workers.ops import AttentionMetadata, PrefillSegment, TorchOps
 from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels, onednn_linear_problem
 from workers.ops.linear_choice import LinearChooser
 
 KVH, H, D = 2, 6, 16
+ORDERS = ["layer-major", "block-major"]   # kv_tensors' pool orders
 
 
 def dense_attention(q, keys, values, scale):
@@ -37,6 +39,16 @@ def all_ops():
     return [TorchOps(), CpuOps(LinearChooser())]   # no store: shapes are timed here
 
 
+def in_pool(cache: torch.Tensor, order: str) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A 3-layer pool in ``order`` whose middle layer holds ``cache`` [2, blocks, ...] (the
+    others zero), and that layer: block-major, its blocks lie a block of every layer apart."""
+    _, blocks, bs, kvh, width = cache.shape
+    pool = allocate_kv_cache(KVShape(3, bs, kvh, width, cache.dtype), blocks,
+                             torch.device("cpu"), block_major=order == "block-major")
+    pool[1].copy_(cache)
+    return pool, pool[1]
+
+
 def scatter_sequences(lengths, block_size, num_blocks, seed, dtype=torch.float32):
     """Random contexts written into randomly chosen, non-contiguous blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -52,15 +64,17 @@ def scatter_sequences(lengths, block_size, num_blocks, seed, dtype=torch.float32
     return cache, tables, contexts
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
 @pytest.mark.parametrize(("block_size", "kv_dtype"), [
     (16, torch.float32), (32, torch.float32), (256, torch.float32),
     (16, torch.float16), (32, torch.bfloat16)])
-def test_paged_decode_and_prefill_match_dense(ops, block_size, kv_dtype):
+def test_paged_decode_and_prefill_match_dense(ops, block_size, kv_dtype, order):
     scale = D ** -0.5
     decode_lens, prefill = [1, 37, 300], [(20, 20), (9, 130)]  # (query_len, context_len)
     cache, tables, ctx = scatter_sequences(decode_lens + [c for _, c in prefill], block_size,
                                            num_blocks=64, seed=block_size, dtype=kv_dtype)
+    _, cache = in_pool(cache, order)
     g = torch.Generator().manual_seed(1)
     n_tokens = len(decode_lens) + sum(q for q, _ in prefill)
     q = torch.randn(n_tokens, H, D, generator=g)
@@ -223,15 +237,17 @@ def test_cpu_decode_kernel_rejects_head_lengths_and_blocks_outside_its_inputs():
                                                      torch.tensor([[17, 17]]), 1.0)
 
 
-def test_write_kv_lands_in_the_mapped_slots():
-    ops = TorchOps()
-    cache = torch.zeros(2, 4, 16, KVH, D)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
+def test_write_kv_lands_in_the_mapped_slots(ops, order):
+    pool, cache = in_pool(torch.zeros(2, 4, 16, KVH, D), order)
     k, v = torch.randn(3, KVH, D), torch.randn(3, KVH, D)
     slots = torch.tensor([5, 16 * 2 + 15, 16 * 3])
     ops.write_kv(k, v, cache, slots)
     assert torch.equal(cache[0, 0, 5], k[0]) and torch.equal(cache[1, 2, 15], v[1])
     assert torch.equal(cache[0, 3, 0], k[2])
-    assert int((cache != 0).sum()) == 2 * 3 * KVH * D  # nothing written anywhere else
+    # nothing written anywhere else, in this layer or another
+    assert sum(int((layer != 0).sum()) for layer in pool) == 2 * 3 * KVH * D
 
 
 def test_rms_norm_and_rotary_match_formulas():

@@ -81,10 +81,11 @@ class TorchOps:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        _, nb, bs, kvh, width = kv_cache.shape
+        bs = kv_cache.shape[2]
+        blocks, offsets = slot_mapping // bs, slot_mapping % bs   # any pool order (kv_tensors)
         for i, x in enumerate((k, v)):
             rows = quantize_rows(x) if kv_cache.dtype == torch.int8 else x.to(kv_cache.dtype)
-            kv_cache[i].view(nb * bs, kvh, width).index_copy_(0, slot_mapping, rows)
+            kv_cache[i].index_put_((blocks, offsets), rows)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

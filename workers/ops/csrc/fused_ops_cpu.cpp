@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_pool.h"
 #include "vec_math.h"
 
 namespace {
@@ -162,7 +163,8 @@ inline void quantize_heads(const float* src, int8_t* dst, int64_t heads, int64_t
 template <typename T, typename Store>
 void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                 const at::Tensor& slots, int64_t row, Store store) {
-  const int64_t tokens = k.size(0), num_slots = cache.size(1) * cache.size(2);
+  const int64_t tokens = k.size(0), block_size = cache.size(2);
+  const int64_t num_slots = cache.size(1) * block_size, block_stride = cache.stride(1);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -172,8 +174,9 @@ void write_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
     for (int64_t t = begin; t < end; ++t) {
       TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "write_kv: slot ", slot[t],
                   " outside the pool of ", num_slots);
-      store(kp + t * k.stride(0), kc + slot[t] * row);
-      store(vp + t * v.stride(0), vc + slot[t] * row);
+      const int64_t at = slot[t] / block_size * block_stride + slot[t] % block_size * row;
+      store(kp + t * k.stride(0), kc + at);
+      store(vp + t * v.stride(0), vc + at);
     }
   });
 }
@@ -207,10 +210,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                   v.stride(1) == v.size(2),
               "write_kv: k and v must be [T, KVH, D] with contiguous heads");
   const int64_t row = k.size(2) + (cache.scalar_type() == at::kChar ? 2 : 0);
-  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() &&
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && blocks_contiguous(cache[0]) &&
                   cache.size(3) == k.size(1) && cache.size(4) == row,
-              "write_kv: cache must be contiguous [2, blocks, block_size, KVH, D] "
-              "(D + 2 for int8: the values, then the scale)");
+              "write_kv: cache must be [2, blocks, block_size, KVH, D] with contiguous "
+              "blocks (D + 2 for int8: the values, then the scale)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.numel() == k.size(0),
               "write_kv: slot_mapping must be contiguous int64 [T]");

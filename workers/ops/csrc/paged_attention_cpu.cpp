@@ -32,6 +32,7 @@
 #include <utility>
 #include <vector>
 
+#include "kv_pool.h"
 #include "vec_math.h"
 
 namespace {
@@ -391,7 +392,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t table_seq = block_tables.stride(0), table_head = block_tables.stride(1);
   const int64_t len_seq = seq_lens.stride(0), len_head = seq_lens.stride(1);
   const int64_t row_width = key_cache.size(3);  // head_dim, or head_dim + 2 for int8
-  const int64_t token_stride = kv_heads * row_width, block_stride = block_size * token_stride;
+  // A block's rows are contiguous; blocks lie stride(0) apart (either pool order).
+  const int64_t token_stride = kv_heads * row_width, block_stride = key_cache.stride(0);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const T* kp = key_cache.data_ptr<T>();
@@ -539,8 +541,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& key_cac
                                   const at::Tensor& seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "key/value caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.dim() == 4 && blocks_contiguous(key_cache) &&
+                  value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.strides() == key_cache.strides(),
+              "key/value caches must be [num_blocks, block_size, kv_heads, head_dim] of one "
+              "shape and strides, each block contiguous");
   const int64_t scale_bytes = key_cache.scalar_type() == at::kChar ? 2 : 0;
   TORCH_CHECK(key_cache.size(3) == q.size(2) + scale_bytes,
               "head_dim of q and the cache differ (an int8 row holds head_dim + 2 bytes)");
