@@ -134,7 +134,7 @@ def shared_memory(src, dst, src_ids: list[int], dst_ids: list[int], meta: KVLayo
 def pickled(src, dst, src_ids: torch.Tensor, dst_ids: torch.Tensor,
             parts: list[tuple[int, int]]) -> None:
     for a, b in parts:
-        payload = pickle.dumps([kv.index_select(1, src_ids[a:b]) for kv in src])
+        payload = pickle.dumps([kv[:, src_ids[a:b]] for kv in src])
         for kv, blocks in zip(dst, pickle.loads(payload), strict=True):
             kv.index_copy_(1, dst_ids[a:b], blocks)
 
