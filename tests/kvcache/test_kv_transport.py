@@ -192,29 +192,20 @@ def test_a_block_major_pool_holds_each_block_as_one_run_in_row_order():
     assert _slab_bytes(pool).shape == (1, 5, row_bytes.shape[1])
 
 
-def test_pools_of_different_orders_refuse_a_handoff_untouched():
-    """A receiver reads the sender's segment in its own order: pools of two orders would
-    mix up bytes, so the description's order is checked first (and recomputed)."""
-    meta = make_meta(torch.float16)
-    seg, src = shared_pool(meta, 4, seed=23, block_major=True)
-    _, dst = shared_pool(meta, 4, seed=24, block_major=False)
-    batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle,
-                          pool_checksums(src))
-    before = snapshot(dst)
-    with pytest.raises(KVTransferError, match="1 runs, this one in 4"):
-        import_shared(batch, dst, [2, 3], meta, PeerSegments(), pool_checksums(dst))
-    assert_untouched(dst, before)
-
-
-def test_a_description_for_another_pool_is_refused_untouched():
+@pytest.mark.parametrize("dtype,block_major,refusal", [
+    (torch.float32, True, "dtype"),
+    # the receiver would read the sender's segment in its own order and mix up bytes
+    (torch.float16, False, "1 runs, this one in 4"),
+], ids=["dtype", "order"])
+def test_a_description_for_another_pool_is_refused_untouched(dtype, block_major, refusal):
     meta = make_meta(torch.float16)
     seg, src = shared_pool(meta, 4, seed=10)
-    other = make_meta(torch.float32)
-    _, dst = shared_pool(other, 4, seed=11)
+    other = make_meta(dtype)
+    _, dst = shared_pool(other, 4, seed=11, block_major=block_major)
     batch = export_shared(src, [0, 1], *seq_blocks(meta, 2), meta, seg.handle,
                           pool_checksums(src))
     before = snapshot(dst)
-    with pytest.raises(KVTransferError, match="dtype"):
+    with pytest.raises(KVTransferError, match=refusal):
         import_shared(batch, dst, [2, 3], other, PeerSegments(), pool_checksums(dst))
     assert_untouched(dst, before)
 
