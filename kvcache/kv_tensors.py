@@ -10,8 +10,9 @@ allocation, in one of two orders:
 - block-major: a block's slabs of every layer lie together, in KV-batch row order
   (layer, K/V), so a block is one contiguous run. Peers copy whole blocks out of a
   shared pool: one run a block instead of ``2 * layers`` scattered slabs copied at
-  1.2-1.4x memcpy's rate against 0.75-0.88x (fp16, 4 KB pages), for a few percent on
-  decode attention over consecutive blocks (``benchmarks/RESULTS.md``, issue #19).
+  1.2-1.4x memcpy's rate against 0.75-0.88x (fp16, 4 KB pages). Decode pays for it:
+  steps up to ~10% slower with fp16 KV, a few percent with fp32
+  (``benchmarks/RESULTS.md``, issue #19).
   Kernels reach a block through the layer tensor's ``stride(1)``.
 
 ``pool_runs`` recognises either order from the tensors' strides.
