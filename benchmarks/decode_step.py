@@ -6,9 +6,8 @@ whose blocks are spread like a busy server's, the same step with attention skipp
 the linear layers alone (``benchmarks.roofline``), in one process on the same weights.
 attention = step - step without attention; other (norms, rotary, KV writes, activation,
 dispatch) = step without attention - linear layers. ``--pools private shared`` times the
-pool a single process allocates (layer-major) and a prefill worker's shared pool
-(block-major, ``kvcache/kv_tensors``) on the same blocks, as a decode worker would read
-the latter if it kept one.
+pool a single process allocates (layer-major) and the one a cluster worker keeps in a
+shared segment (block-major, ``kvcache/kv_tensors``) on the same blocks.
 
     python -m cluster bench decode-step --batch 64 128 --context 300 [--pools private shared]
 """
@@ -78,7 +77,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
     p.add_argument("--kv-dtype", nargs="+", default=["auto", "float16"],
                    choices=["auto", "float16", "bfloat16"])
     p.add_argument("--pools", nargs="+", default=["private"], choices=["private", "shared"],
-                   help="private: a process's own pool (layer-major); shared: a prefill "
+                   help="private: a process's own pool (layer-major); shared: a cluster "
                         "worker's, in a shared segment (block-major)")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
@@ -93,9 +92,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
             runners = {pool: ModelRunner(checkpoint, CacheConfig(kv_dtype=kv_dtype),
                                          torch.device("cpu"), max(args.context) + 1,
                                          num_blocks=num_blocks, ops=ops,
-                                         shared_pool=pool == "shared",
-                                         block_major_pool=pool == "shared")
-                       for pool in args.pools}
+                                         shared_pool=pool == "shared") for pool in args.pools}
             for batch in args.batch:
                 for context in args.context:
                     for pool, runner in runners.items():   # in turns, on the same blocks

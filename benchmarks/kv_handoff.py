@@ -2,9 +2,8 @@
 
 For the default model's KV shape (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64,
 block size 16), one sequence's blocks move from one pool to another, both in shared
-segments as the workers' host pools are: the sender's block-major (a prefill worker's:
-a block of every layer is one run, ``kvcache/kv_tensors``), the receiver's layer-major
-(a decode worker's). ``--ids scattered`` (the default) picks each side's
+segments as a worker's host pool is (block-major: a block of every layer is one run,
+``kvcache/kv_tensors``). ``--ids scattered`` (the default) picks each side's
 block ids at random from the whole pool, the worst case a long-used pool can come to;
 ``--ids fresh`` takes them from a fresh ``BlockPool`` on each side, as the engine's
 allocator hands them out before its pools have churned (ascending, consecutive ids):
@@ -23,8 +22,7 @@ allocator hands them out before its pools have churned (ascending, consecutive i
 - memcpy: one torch copy_ of the same number of bytes between the two pools' memory
   (contiguous), the bandwidth ceiling of any copy on this machine;
 - with ``--layer-major-too``, shm again between two layer-major pools (a block in
-  ``2 * layers`` slabs on both sides, as before prefill pools were block-major), and
-  between two block-major ones, on the same ids.
+  ``2 * layers`` slabs, the order before block-major shared pools), on the same ids.
 
 The four paths run in turns, round after round, so load from other work on the machine
 falls on all of them alike; each figure is the median of --repeats rounds (more for short
@@ -162,21 +160,19 @@ def run(dtype_name: str, token_counts: list[int], repeats: int,
     meta = KVLayoutMeta.from_shape(shape, "smollm2-135m-bench")
     pool_blocks = max(token_counts) // BLOCK_SIZE + 64
     segment, src = shared_pool(shape, pool_blocks)
-    dst_segment, dst = shared_pool(shape, pool_blocks, block_major=False)
+    dst_segment, dst = shared_pool(shape, pool_blocks)
     for kv in src:
         kv.normal_()
     peers = PeerSegments()
     sums = (pool_checksums(src), pool_checksums(dst))
-    paths = PATHS + (("shm_layer_major", "shm_block_major") if layer_major_too else ())
-    others = {}   # path: (segment, src, dst, checksum stores, phases), same bytes as src
+    paths = PATHS + (("shm_layer_major",) if layer_major_too else ())
     if layer_major_too:
-        for path, block_major in (("shm_layer_major", False), ("shm_block_major", True)):
-            seg, a_src = shared_pool(shape, pool_blocks, block_major=block_major)
-            _, a_dst = shared_pool(shape, pool_blocks, block_major=block_major)
-            for a, b in zip(a_src, src, strict=True):
-                a.copy_(b)
-            others[path] = (seg, a_src, a_dst, (pool_checksums(a_src), pool_checksums(a_dst)),
-                            {"seal": [], "export": [], "import": []})
+        lm_segment, lm_src = shared_pool(shape, pool_blocks, block_major=False)
+        _, lm_dst = shared_pool(shape, pool_blocks, block_major=False)
+        for a, b in zip(lm_src, src, strict=True):
+            a.copy_(b)
+        lm_sums = (pool_checksums(lm_src), pool_checksums(lm_dst))
+        lm_phases: dict[str, list[float]] = {"seal": [], "export": [], "import": []}
     g = torch.Generator().manual_seed(0)
     rows = []
     for tokens in token_counts:
@@ -201,10 +197,11 @@ def run(dtype_name: str, token_counts: list[int], repeats: int,
             times["object_store"].append(timed(object_store, src, dst, ids_list, dst_list,
                                                meta, parts, phases))
             times["pickle"].append(timed(pickled, src, dst, src_ids, dst_ids, parts))
-            for path, (seg, a_src, a_dst, a_sums, a_phases) in others.items():
-                seal(a_sums[0], ids_list, a_phases)
-                times[path].append(timed(shared_memory, a_src, a_dst, ids_list, dst_list, meta,
-                                         seg, peers, a_sums, a_phases))
+            if layer_major_too:
+                seal(lm_sums[0], ids_list, lm_phases)
+                times["shm_layer_major"].append(timed(
+                    shared_memory, lm_src, lm_dst, ids_list, dst_list, meta, lm_segment, peers,
+                    lm_sums, lm_phases))
         assert all(torch.equal(d[:, dst_ids], s[:, src_ids]) for d, s in zip(dst, src))
         row = {"dtype": dtype_name, "tokens": tokens, "blocks": n, "bytes": nbytes,
                "MB": nbytes / 1e6, "parts": len(parts)}
@@ -284,16 +281,14 @@ def markdown(rows: list[dict]) -> str:
          "export / import ms", "seal ms (in the steps)",
          "object store ms", "GB/s", "of memcpy", "parts", "export / put / get / import ms",
          "pickle ms", "GB/s", "of memcpy"]
-        + (["shm layer-major ms", "GB/s", "of memcpy", "shm block-major ms", "GB/s",
-            "of memcpy"] if layer_major else []),
+        + (["shm layer-major ms", "GB/s", "of memcpy"] if layer_major else []),
         [[r["dtype"], str(r["tokens"]), f"{r['MB']:.1f}", *path(r, "memcpy")[:2],
           *path(r, "shm"), f"{1e3 * r['shm_export_s']:.1f} / {1e3 * r['shm_import_s']:.1f}",
           f"{1e3 * r['shm_seal_s']:.1f}",
           *path(r, "object_store"), str(r["parts"]),
           " / ".join(f"{1e3 * r[f'object_store_{k}_s']:.1f}"
                      for k in ("export", "put", "get", "import")),
-          *path(r, "pickle"),
-          *(path(r, "shm_layer_major") + path(r, "shm_block_major") if layer_major else [])]
+          *path(r, "pickle"), *(path(r, "shm_layer_major") if layer_major else [])]
          for r in rows]))
 
 
@@ -312,8 +307,7 @@ def main() -> None:
                     help="do not write the object store's memory once before measuring")
     ap.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     ap.add_argument("--layer-major-too", action="store_true",
-                    help="also time shm between two layer-major pools and between two "
-                         "block-major ones (four more pools' memory)")
+                    help="also time shm between layer-major pools (two more pools' memory)")
     ap.add_argument("--gap", action="store_true",
                     help="measure the first -> second token gap on 1 prefill + 1 decode")
     ap.add_argument("--gap-tokens", type=int, default=8176,

@@ -8,9 +8,8 @@ moves), so verifying costs next to nothing beside the copy. It guards against
 corruption and stale memory, not forgery: the peers trust each other. Checksums travel
 as uint64 (the KV batch's column), holding the 32-bit CRC.
 
-A pool's bytes are read as ``(runs, num_blocks, run_bytes)`` (``kv_tensors.pool_runs``):
-run ``k`` of block ``b`` is one contiguous piece of it, in row order: the whole block in a
-block-major pool, layer ``k // 2``'s K (even) or V (odd) in a layer-major one.
+A pool's bytes are read as ``(layers * 2, num_blocks, slab_bytes)``: slab ``k`` of block
+``b`` is layer ``k // 2``'s K (even) or V (odd) of that block, one contiguous run.
 """
 
 from __future__ import annotations
@@ -63,19 +62,17 @@ def copy_verified(src: np.ndarray, src_blocks: Sequence[int], dst: np.ndarray,
 
     ``threads`` threads take a share of the blocks each. The native copy checks the ids,
     computes the CRC from the words it moves, without the GIL, on OpenMP's threads, in
-    ascending source order, in the source's order: from a block-major source a block at a
-    time, else a slab of every block of its share before the next slab (near-sequential
-    reads in a pool of 4 KB pages); the two pools may be of either order. A mismatch shows
-    once its share is copied. Without it, numpy copies each block (no GIL) on a thread pool and the
+    ascending source order, a slab of every block of its share before the next slab
+    (near-sequential reads in a pool of 4 KB pages; a mismatch shows once its share is
+    copied). Without it, numpy copies each block (no GIL) on a thread pool and the
     ``crc32c`` package hashes the copy while it is in cache, and a mismatch stops the
     copying soon after.
     """
     n = len(src_blocks)
-    if (src.shape[0] * src.shape[2] != dst.shape[0] * dst.shape[2] or len(dst_blocks) != n
-            or len(checksums) != n):
+    if src.shape[::2] != dst.shape[::2] or len(dst_blocks) != n or len(checksums) != n:
         raise ValueError(f"copy_verified: {n} source blocks of {src.shape}, {len(dst_blocks)} "
                          f"destination blocks of {dst.shape}, {len(checksums)} checksums; "
-                         "expected one of each per block, blocks of one size")
+                         "expected one of each per block, slabs of one shape")
     src_ids = np.ascontiguousarray(src_blocks, dtype=np.int64)
     dst_ids = np.ascontiguousarray(dst_blocks, dtype=np.int64)
     expected = np.ascontiguousarray(checksums, dtype=np.uint64)
@@ -93,7 +90,7 @@ def copy_verified(src: np.ndarray, src_blocks: Sequence[int], dst: np.ndarray,
         for i in range(first, end):
             if stop.is_set():
                 return None
-            dst[:, dst_ids[i]] = src[:, src_ids[i]].reshape(dst.shape[0], dst.shape[2])
+            dst[:, dst_ids[i]] = src[:, src_ids[i]]
             if block_checksum(dst, dst_ids[i]) != expected[i]:
                 stop.set()
                 return i

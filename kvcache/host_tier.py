@@ -21,7 +21,7 @@ class HostKVStore:
         self.num_blocks = num_blocks
         # Uninitialised: a host block is always written before it is read, and untouched
         # pages of a large budget cost no memory until the tier fills. Block-major
-        # (kv_tensors), as a prefill worker's pool is: a handoff's blocks land as one run.
+        # (kv_tensors), as shared pools are, so a handoff copies a block as one run.
         blocks = torch.empty((num_blocks, shape.num_layers, 2, shape.block_size,
                               shape.num_kv_heads, shape.head_dim), dtype=shape.dtype,
                              pin_memory=pin)

@@ -8,13 +8,12 @@ allocation, in one of two orders:
 - layer-major (the default): each layer's tensor is contiguous, as device kernels
   (flash-attn, torch_npu) read it;
 - block-major: a block's slabs of every layer lie together, in KV-batch row order
-  (layer, K/V), so a block is one contiguous run. A prefill worker's shared pool is
-  block-major: its blocks leave whole for a decode worker, and a copy reading one run a
-  block instead of ``2 * layers`` scattered slabs moves them 1.3x faster into a
-  layer-major pool, 1.7x into a block-major one (fp16, 4 KB pages). A decode worker
-  keeps layer-major: reading a layer's blocks a block of every layer apart made its
-  steps up to ~10% slower (``benchmarks/RESULTS.md``, issue #19). Kernels reach a block
-  through the layer tensor's ``stride(1)``.
+  (layer, K/V), so a block is one contiguous run. Peers copy whole blocks out of a
+  shared pool: one run a block instead of ``2 * layers`` scattered slabs copied at
+  1.2-1.4x memcpy's rate against 0.75-0.88x (fp16, 4 KB pages). Decode pays for it:
+  steps up to ~10% slower with fp16 KV, a few percent with fp32
+  (``benchmarks/RESULTS.md``, issue #19).
+  Kernels reach a block through the layer tensor's ``stride(1)``.
 
 ``pool_runs`` recognises either order from the tensors' strides.
 """

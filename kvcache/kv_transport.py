@@ -246,16 +246,16 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     except (KeyError, ValueError) as e:
         raise KVTransferError(f"KV description: no segment ({e!r}); expected the metadata "
                               "export_shared writes") from e
-    block_bytes = dst.shape[0] * dst.shape[2]
-    if src_runs not in (1, 2 * expected_meta.num_layers):
-        raise KVTransferError(f"KV description block_runs: got {src_runs}; expected 1 (a "
-                              f"block-major sender) or {2 * expected_meta.num_layers} (a slab "
-                              "per layer and K/V)")
+    if src_runs != dst.shape[0]:
+        raise KVTransferError(f"KV segment: the sender's pool holds a block in {src_runs} "
+                              f"runs, this one in {dst.shape[0]}; expected pools of one order "
+                              "(allocate_kv_cache's block_major)")
     src, sums = d.src, d.checksums
     if src is None:
         raise KVTransferError("KV description: no src_block column; expected the columns "
                               "export_shared writes")
-    need = src_blocks * block_bytes
+    slab_bytes = dst.shape[2]
+    need = dst.shape[0] * src_blocks * slab_bytes
     if need > segment.nbytes:
         raise KVTransferError(f"KV segment: {segment.nbytes} bytes, expected >= {need} for "
                               f"a pool of {src_blocks} blocks")
@@ -263,9 +263,8 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
         mapped = peers.map(segment)
     except SegmentError as e:
         raise KVTransferError(str(e)) from e
-    # In the sender's order, which may differ from this pool's (kv_tensors).
-    source = np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(
-        src_runs, src_blocks, block_bytes // src_runs)
+    source = np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(dst.shape[0],
+                                                                       src_blocks, slab_bytes)
     ids = np.asarray(dst_block_ids, dtype=np.int64)   # the copy checks them, and src's
     h0 = host.first_row if host else batch.num_rows
     pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows] if host else np.s_[:]

@@ -50,8 +50,7 @@ class NativeCopier:
                                                                     ctypes.c_uint32]
         self._blocks = lib.kv_copy_blocks_crc32c
         self._blocks.restype = _I64
-        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int,
-                                 ctypes.c_int, ctypes.c_int]
+        self._blocks.argtypes = [_P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_int]
 
     @property
     def avx2(self) -> bool:
@@ -82,27 +81,19 @@ class NativeCopier:
 
     def copy_blocks(self, src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray,
                     dst_ids: np.ndarray, expected: np.ndarray, threads: int) -> int:
-        """A verified copy between pools given as ``(runs, blocks, run_bytes)`` bytes
-        (``pool_runs``'s: one run a block-major block, else a slab per layer and K/V; the
-        two may differ) with int64 ids and uint64 checksums, one per row, on ``threads``
-        threads: ``COPIED``, a row whose CRC32C is not ``expected``'s, or one of the
-        refusals (``BAD_SOURCE``, ``BAD_DESTINATION``, ``REPEATED_DESTINATION``: nothing
-        was copied)."""
+        """A verified copy between ``(slabs, blocks, slab_bytes)`` pools (ids int64,
+        checksums uint64, one per row) on ``threads`` threads: ``COPIED``, a row whose
+        CRC32C is not ``expected``'s, or one of the refusals (``BAD_SOURCE``,
+        ``BAD_DESTINATION``, ``REPEATED_DESTINATION``: nothing was copied)."""
         arrays = (src, dst, src_ids, dst_ids, expected)
-        slabs = max(src.shape[0], dst.shape[0])
         if not all(a.flags.c_contiguous for a in arrays) or (
-                (src_ids.dtype, dst_ids.dtype, expected.dtype) != (_INT64, _INT64, _UINT64)) or (
-                {src.shape[0], dst.shape[0]} - {1, slabs}
-                or src.shape[0] * src.shape[2] != dst.shape[0] * dst.shape[2]):
-            raise ValueError("copy_blocks: expected C-contiguous (runs, blocks, run_bytes) "
-                             "pools of one block size, as _slab_bytes gives, int64 ids and "
-                             "uint64 checksums")
-        slab_bytes = src.shape[0] * src.shape[2] // slabs
+                (src_ids.dtype, dst_ids.dtype, expected.dtype) != (_INT64, _INT64, _UINT64)):
+            raise ValueError("copy_blocks: expected C-contiguous (slabs, blocks, slab_bytes) "
+                             "pools, as _slab_bytes gives, int64 ids and uint64 checksums")
         got = self._blocks(dst.ctypes.data, dst.shape[1], dst_ids.ctypes.data,
                            src.ctypes.data, src.shape[1], src_ids.ctypes.data,
-                           expected.ctypes.data, slabs, slab_bytes, len(src_ids), threads,
-                           int(dst.shape[0] < slabs or slabs == 1),
-                           int(src.shape[0] < slabs or slabs == 1))
+                           expected.ctypes.data, src.shape[0], src.shape[2], len(src_ids),
+                           threads)
         if got == NO_MEMORY:
             raise MemoryError(f"copy_blocks: no memory for the order of {len(src_ids)} blocks")
         return got

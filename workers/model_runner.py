@@ -78,13 +78,10 @@ class ModelRunner:
                  num_blocks: int | None = None, ops: str = "auto",
                  long_context: LongContextConfig | None = None,
                  shared_pool: bool = False,
-                 block_major_pool: bool = False,
                  decode_graph_sizes: Sequence[int] | None = None,
                  graph_capture: Capture | None = None,
                  quantization: str = "none") -> None:
-        """``shared_pool``: a host pool lives in a segment peers on this node can map,
-        block-major with ``block_major_pool`` (a worker that sends more blocks than it
-        decodes from: ``kvcache.kv_tensors``);
+        """``shared_pool``: a host pool lives in a segment peers on this node can map;
         ``decode_graph_sizes``: batch sizes whose decode-only steps replay a captured
         graph (None: ``CUDA_GRAPH_SIZES`` on CUDA, none elsewhere); ``graph_capture``
         records one (None: ``cuda_capture``); ``quantization``: the linear layers'
@@ -122,8 +119,9 @@ class ModelRunner:
         # (every write below tells it), so a handoff sends them without hashing its blocks.
         self.kv_checksums: BlockChecksums | None = None
         if self.kv_segment is not None:
+            # Block-major: peers copy whole blocks out of it (kv_tensors).
             self.kv_caches = allocate_kv_cache(self.kv_shape, num_blocks, device,
-                                               self.kv_segment.buffer, block_major_pool)
+                                               self.kv_segment.buffer, block_major=True)
             self.kv_checksums = pool_checksums(self.kv_caches)
         else:
             # Graphs' padding rows write into one extra block, never given to the scheduler.

@@ -97,8 +97,6 @@ class Worker:
                                   max_model_len=spec.max_model_len or model_max, dtype=dtype,
                                   seed=spec.seed, ops=spec.ops, long_context=spec.long_context,
                                   shared_pool=True, quantization=spec.quantization,
-                                  # a prefill worker's blocks leave whole (kv_tensors)
-                                  block_major_pool=self.role is Role.PREFILL,
                                   decode_graph_sizes=() if spec.enforce_eager else None)
         self.meta = KVLayoutMeta.from_shape(self.runner.kv_shape, ckpt.fingerprint)
         eos = set(ckpt.config.eos_token_ids)

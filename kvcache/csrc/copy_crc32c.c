@@ -161,54 +161,38 @@ uint32_t kv_copy_crc32c(uint8_t *dst, const uint8_t *src, size_t n, uint32_t crc
     return r;
 }
 
-/* Where slab k of block b lies in a pool of `pool_blocks` blocks of `slabs` slabs:
- * block-major pools keep a block's slabs together, layer-major ones each slab's blocks. */
-typedef struct {
-    uint8_t *base;
-    int64_t pool_blocks;
-    int block_major;
-} pool_t;
-
-static inline uint8_t *slab_at(const pool_t *p, int64_t slabs, int64_t slab_bytes, int64_t b,
-                               int64_t k) {
-    return p->base + (p->block_major ? b * slabs + k : k * p->pool_blocks + b) * slab_bytes;
-}
-
-/* Copy blocks src_ids[i] -> dst_ids[i] for i in [first, end), checking each block's CRC32C
- * over its slabs in order against expected[i]; regs[first:end] holds the running CRCs.
- * The reads go in the source's order: from a block-major source a block at a time (its
- * slabs are one run), else slab k of every block before slab k + 1 of any, so that with
- * the blocks in ascending source order (the caller sorts them) the reads sweep each slab's
- * region upwards, nearly sequentially when the ids are dense. The start of the run three
- * ahead is prefetched while one is copied (each run starts on a page the hardware
- * prefetcher has not seen). Returns the first i whose copy does not match (and sets
- * *stop), or -1; returns early, with -1, once *stop is set by another share. */
-static int64_t copy_share(const pool_t *dst, const int64_t *dst_ids, const pool_t *src,
-                          const int64_t *src_ids, const uint64_t *expected, uint32_t *regs,
-                          int64_t slabs, int64_t slab_bytes, int64_t first, int64_t end,
-                          int *stop) {
+/* Copy blocks src_ids[i] -> dst_ids[i] for i in [first, end) of pools laid out as
+ * (slabs, pool blocks, slab_bytes), checking each block's CRC32C over its slabs in order
+ * against expected[i]; regs[first:end] holds the running CRCs. Slab k of every block is
+ * copied before slab k + 1 of any: with the blocks in ascending source order (the
+ * caller sorts them) the reads sweep each slab's region upwards, nearly sequentially
+ * when the ids are dense, and the start of the run three ahead is prefetched while one
+ * is copied (each run starts on a page the hardware prefetcher has not seen). Returns
+ * the first i whose copy does not match (and sets *stop), or -1; returns early, with
+ * -1, once *stop is set by another share. */
+static int64_t copy_share(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
+                          const uint8_t *src, int64_t src_pool_blocks, const int64_t *src_ids,
+                          const uint64_t *expected, uint32_t *regs, int64_t slabs,
+                          int64_t slab_bytes, int64_t first, int64_t end, int *stop) {
     plan_t p;
     plan_init(&p, (size_t)slab_bytes);
+    const size_t dst_step = (size_t)(dst_pool_blocks * slab_bytes);
+    const size_t src_step = (size_t)(src_pool_blocks * slab_bytes);
     for (int64_t i = first; i < end; i++)
         regs[i] = 0xffffffffu;
-    const int blocks_outer = src->block_major;
-    const int64_t outer = blocks_outer ? end - first : slabs;
-    const int64_t inner = blocks_outer ? slabs : end - first;
-    for (int64_t o = 0; o < outer; o++) {
+    for (int64_t k = 0; k < slabs; k++) {
         if (__atomic_load_n(stop, __ATOMIC_RELAXED))
             break;
-        for (int64_t j = 0; j < inner; j++) {
-            const int64_t i = first + (blocks_outer ? o : j), k = blocks_outer ? j : o;
-            const int64_t ahead = blocks_outer && j > 0 ? end : i + AHEAD;
-            if (ahead < end) {
-                const char *next = (const char *)slab_at(src, slabs, slab_bytes,
-                                                         src_ids[ahead], blocks_outer ? 0 : k);
+        const uint8_t *s = src + k * src_step;
+        uint8_t *d = dst + k * dst_step;
+        for (int64_t i = first; i < end; i++) {
+            if (i + AHEAD < end) {
+                const char *next = (const char *)s + src_ids[i + AHEAD] * slab_bytes;
                 for (size_t lane = 0; lane < 3; lane++)
                     for (size_t q = 0; q < PREFETCH; q += 64)
                         _mm_prefetch(next + lane * p.lane + q, _MM_HINT_T0);
             }
-            regs[i] = copy_run(&p, slab_at(dst, slabs, slab_bytes, dst_ids[i], k),
-                               slab_at(src, slabs, slab_bytes, src_ids[i], k),
+            regs[i] = copy_run(&p, d + dst_ids[i] * slab_bytes, s + src_ids[i] * slab_bytes,
                                (size_t)slab_bytes, regs[i]);
         }
     }
@@ -261,10 +245,8 @@ static int compare_src(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Copy blocks src_ids[i] -> dst_ids[i] (i < n) between pools of `slabs` slabs of
- * `slab_bytes` a block, each block-major or layer-major (slab_at), checking each block's
- * CRC32C (over its slabs in order) against expected[i]. Two block-major pools copy a
- * block as one run. The ids are checked
+/* Copy blocks src_ids[i] -> dst_ids[i] (i < n) of pools laid out as (slabs, pool blocks,
+ * slab_bytes), checking each block's CRC32C against expected[i]. The ids are checked
  * first (a refusal: KV_BAD_SOURCE, KV_BAD_DESTINATION, KV_REPEATED_DESTINATION, with no
  * byte moved); the blocks are then taken in ascending source order (copy_share) in
  * `threads` consecutive shares, one per OpenMP thread. Returns KV_COPY_OK, or a row whose
@@ -281,8 +263,7 @@ static int compare_src(const void *a, const void *b) {
 int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64_t *dst_ids,
                               const uint8_t *src, int64_t src_pool_blocks,
                               const int64_t *src_ids, const uint64_t *expected, int64_t slabs,
-                              int64_t slab_bytes, int64_t n, int threads, int dst_block_major,
-                              int src_block_major) {
+                              int64_t slab_bytes, int64_t n, int threads) {
     int64_t status = check_ids(src_ids, src_pool_blocks, dst_ids, dst_pool_blocks, n);
     if (status != 0 || n == 0)
         return status != 0 ? status : KV_COPY_OK;
@@ -304,12 +285,6 @@ int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64
         d_ids[j] = dst_ids[order[j].row];
         sums[j] = expected[order[j].row];
     }
-    if (dst_block_major && src_block_major) {   /* a block is one run on both sides */
-        slab_bytes *= slabs;
-        slabs = 1;
-    }
-    const pool_t dst_pool = {dst, dst_pool_blocks, dst_block_major};
-    const pool_t src_pool = {(uint8_t *)src, src_pool_blocks, src_block_major};
     int stop = 0;
     if (threads > n)
         threads = (int)n;
@@ -317,8 +292,9 @@ int64_t kv_copy_blocks_crc32c(uint8_t *dst, int64_t dst_pool_blocks, const int64
         threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static, 1) reduction(min : bad)
     for (int t = 0; t < threads; t++) {
-        int64_t b = copy_share(&dst_pool, d_ids, &src_pool, s_ids, sums, regs, slabs,
-                               slab_bytes, n * t / threads, n * (t + 1) / threads, &stop);
+        int64_t b = copy_share(dst, dst_pool_blocks, d_ids, src, src_pool_blocks, s_ids, sums,
+                               regs, slabs, slab_bytes, n * t / threads,
+                               n * (t + 1) / threads, &stop);
         if (b >= 0)
             bad = b;
     }
