@@ -101,14 +101,17 @@ inline Rows block_rows(const T* base, int64_t n, int64_t token_stride, int64_t h
   }
 }
 
-// Ask for n rows of row_bytes each, stride_bytes apart, to be brought into cache. Block
+// Ask for n rows of row_bytes each, stride_bytes apart, to be brought into L2. Block
 // tables scatter a context over the pool, so the hardware prefetcher cannot guess the
 // next block; fetching it while the current one is computed hides the memory latency
-// that otherwise dominates a decode step.
+// that otherwise dominates a decode step. Into L2 (prefetcht1), not L1: a block's 64
+// lines at once fill L1's few miss buffers and stall the loads behind them, and on a
+// Zen 4 the same kernel with prefetcht0 read a long context at half the speed
+// (benchmarks/RESULTS.md, "Prefetching into L2").
 inline void prefetch_rows(const void* base, int64_t n, int64_t row_bytes, int64_t stride_bytes) {
   const char* p = static_cast<const char*>(base);
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + t * stride_bytes + b, 0, 3);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + t * stride_bytes + b, 0, 2);
 }
 
 #if defined(__AVX512F__)
