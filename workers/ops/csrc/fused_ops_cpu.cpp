@@ -210,7 +210,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
                   v.stride(1) == v.size(2),
               "write_kv: k and v must be [T, KVH, D] with contiguous heads");
   const int64_t row = k.size(2) + (cache.scalar_type() == at::kChar ? 2 : 0);
-  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && blocks_contiguous(cache[0]) &&
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && blocks_contiguous(cache, 1) &&
                   cache.size(3) == k.size(1) && cache.size(4) == row,
               "write_kv: cache must be [2, blocks, block_size, KVH, D] with contiguous "
               "blocks (D + 2 for int8: the values, then the scale)");

@@ -7,10 +7,11 @@
 
 #include <cstdint>
 
-// Whether every dimension after the first (the block) is contiguous.
-inline bool blocks_contiguous(const at::Tensor& cache) {
+// Whether the dimensions from `block_dim + 1` on (a block's rows) are contiguous: the
+// block is dimension 0 of one layer's K or V, 1 of a layer's [2, blocks, ...] tensor.
+inline bool blocks_contiguous(const at::Tensor& cache, int64_t block_dim = 0) {
   int64_t step = 1;
-  for (int64_t d = cache.dim() - 1; d >= 1; --d) {
+  for (int64_t d = cache.dim() - 1; d > block_dim; --d) {
     if (cache.size(d) != 1 && cache.stride(d) != step) return false;
     step *= cache.size(d);
   }
