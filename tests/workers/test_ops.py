@@ -270,15 +270,20 @@ def test_rms_norm_and_rotary_match_formulas():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
-def test_cpu_decode_kernel_head_sizes_match_reference(head_dim, kv_dtype):
+@pytest.mark.parametrize(("heads", "kv_heads", "block_size"),
+                         [(8, 2, 16), (9, 3, 16), (7, 1, 40), (10, 2, 32)])
+def test_cpu_decode_kernel_head_sizes_match_reference(head_dim, kv_dtype, heads, kv_heads,
+                                                      block_size):
     """The kernel's compiled-size paths (vector dot, in-register sums, its own exp, int8
-    keys' integer products) against the reference decode, with lengths that end mid-block
-    and scores spread wide enough that the softmax is far from uniform. Over int8 keys the
-    kernel scores a query rounded to int16 (int16_rounded), so the reference gets that
-    query."""
+    keys' integer products, int8 rows summed for up to 4 query heads at once) against the
+    reference decode, with lengths that end mid-block and scores spread wide enough that
+    the softmax is far from uniform. GQA groups of 4, 3, 7 and 5 query heads cover every
+    chunk of heads the int8 paths split a group into; blocks of 40 rows, the int8 keys'
+    16 rows at a time with a remainder. Over int8 keys the kernel scores a query rounded
+    to int16 (int16_rounded), so the reference gets that query."""
     assert load_cpu_kernels() is None
     g = torch.Generator().manual_seed(head_dim)
-    num_blocks, block_size, kv_heads, heads = 40, 16, 2, 8
+    num_blocks = 640 // block_size
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g) * 3
     cache = quantize_rows(cache) if kv_dtype == torch.int8 else cache.to(kv_dtype)
     lens = torch.tensor([1, 17, 300, 333, 16])

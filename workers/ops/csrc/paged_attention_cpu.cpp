@@ -13,10 +13,9 @@
 // fp16/bf16 keys and values are widened to fp32 one block at a time with vector
 // conversions (F16C / AVX-512 for fp16, shifts for bf16), never element by element
 // through at::Half; and every query head of a GQA group reuses
-// each key and value row while it is in cache. An int8 cache row is head_dim int8
-// values followed by the row's fp16 scale (2 bytes): its keys are scored with integer
-// products against the query rounded to int16 (int_scores), its values widened to fp32
-// with the scale folded into each row's weight.
+// each key and value row while it is in cache. The int8 cache's rows go through
+// int8_kv_rows.h: keys scored in integers, values summed with the row's scale folded
+// into its weight.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -32,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "int8_kv_rows.h"
 #include "kv_pool.h"
 #include "vec_math.h"
 
@@ -114,34 +114,6 @@ inline void prefetch_rows(const void* base, int64_t n, int64_t row_bytes, int64_
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + t * stride_bytes + b, 0, 2);
 }
 
-#if defined(__AVX512F__)
-// Lane t of the result is the sum of v[t]'s 16 lanes: a 16x16 transpose folded into the
-// additions (45 instructions for 16 sums, against 128 for 16 separate reductions). The
-// shuffles only move lanes, so `add` decides the lanes' type: fp32 or int32 (bits
-// carried in __m512).
-template <typename Add>
-inline __m512 transpose_sum16(const __m512* v, Add add) {
-  __m512 w[8], r[4], u[2];
-  for (int i = 0; i < 8; ++i)
-    w[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    r[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-               _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    u[i] = add(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-               _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return add(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-             _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-inline __m512 add_ps(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-inline __m512 add_epi32(__m512 a, __m512 b) {
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-}
-#endif
 
 // Scores of n key rows against one query row: out[t] = q . rows[t]; and the weighted
 // sum dst += sum_t p[t] * rows[t]. D > 0 is the head size known at compile time (a
@@ -256,86 +228,6 @@ inline void accumulate(const float* p, const float* rows, int64_t stride, int64_
   }
 }
 
-// Int8 keys are scored with integer products: the query head is rounded to int16
-// (quantize_row: scale = its largest magnitude / 32767) and each key row widened to
-// int16, so q16 . k8 is an exact int32 sum, and score = that sum * qscale * kscale. The
-// query's rounding moves a score by at most 1/65534 of the query's largest element times
-// the key row's L1 norm; the products take half the instructions of fp32 ones and the
-// key rows are never widened to fp32.
-inline float widen_int16(const int8_t* src, int16_t* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(__AVX512BW__)
-  for (; i + 32 <= n; i += 32)
-    _mm512_storeu_si512(dst + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256(
-                                     reinterpret_cast<const __m256i*>(src + i))));
-#elif defined(__AVX2__)
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_cvtepi8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = src[i];
-  return row_scale(src, n);
-}
-
-// out[t] = (q . rows[t]) * qscale * scales[t] over n int16 rows of d (D when D > 0).
-template <int D>
-inline void int_scores(const int16_t* q, float qscale, const int16_t* rows, const float* scales,
-                       int64_t n, float* out, int64_t d) {
-#if defined(__AVX512BW__)
-  if constexpr (D > 0 && D % 32 == 0) {
-    __m512i qv[D / 32];
-    for (int j = 0; j < D / 32; ++j) qv[j] = _mm512_loadu_si512(q + 32 * j);
-    const __m512 vq = _mm512_set1_ps(qscale);
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const int64_t m = std::min<int64_t>(16, n - t0);
-      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1);
-      __m512 partial[16];
-      for (int64_t t = 0; t < 16; ++t) {
-        __m512i acc = _mm512_setzero_si512();
-        if (t < m) {
-          const int16_t* k = rows + (t0 + t) * D;
-          for (int j = 0; j < D / 32; ++j) {
-#if defined(__AVX512VNNI__)
-            acc = _mm512_dpwssd_epi32(acc, qv[j], _mm512_loadu_si512(k + 32 * j));
-#else
-            acc = _mm512_add_epi32(acc,
-                                   _mm512_madd_epi16(qv[j], _mm512_loadu_si512(k + 32 * j)));
-#endif
-          }
-        }
-        partial[t] = _mm512_castsi512_ps(acc);
-      }
-      const __m512 sums =
-          _mm512_cvtepi32_ps(_mm512_castps_si512(transpose_sum16(partial, add_epi32)));
-      const __m512 ks = _mm512_maskz_loadu_ps(mask, scales + t0);
-      _mm512_mask_storeu_ps(out + t0, mask, _mm512_mul_ps(sums, _mm512_mul_ps(vq, ks)));
-    }
-    return;
-  }
-#elif defined(__AVX2__)
-  if constexpr (D > 0 && D % 16 == 0) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int16_t* k = rows + t * D;
-      __m256i acc = _mm256_setzero_si256();
-      for (int j = 0; j < D; j += 16)
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j)),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + j))));
-      out[t] = static_cast<float>(sum8(acc)) * (qscale * scales[t]);
-    }
-    return;
-  }
-#endif
-  const int64_t size = D > 0 ? D : d;
-  for (int64_t t = 0; t < n; ++t) {
-    const int16_t* k = rows + t * size;
-    int32_t acc = 0;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < size; ++i) acc += static_cast<int32_t>(q[i]) * k[i];
-    out[t] = static_cast<float>(acc) * (qscale * scales[t]);
-  }
-}
-
 // row[0:len] = exp(row[0:len] - max) in place; returns {max, sum of the new row}. The
 // normalisation waits for the merge of a context's pieces (decode_kernel).
 inline std::pair<float, float> exp_shifted(float* row, int64_t len) {
@@ -420,8 +312,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   at::parallel_for(0, contexts * pieces, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qs(group * head_dim);
     std::vector<float> rows(block_size * head_dim);  // one block's rows of this head, fp32
-    std::vector<float> row_scales(block_size), weights(block_size), qscales(group);
-    std::vector<int16_t> q16(group * head_dim), keys16(block_size * head_dim);  // int8 keys
+    std::vector<float> row_scales(block_size), weights(block_size);  // int8 values
+    int8_kv::Int8Query<D> query16(group, head_dim, block_size);         // int8 keys
     for (int64_t task = begin; task < end; ++task) {
       const int64_t context = task / pieces, piece = task % pieces;
       const int64_t s = context / kv_heads, h = context % kv_heads;
@@ -462,16 +354,9 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         }
       };
       if constexpr (std::is_same_v<T, int8_t>) {
-        for (int64_t g = 0; g < group; ++g)
-          qscales[g] = quantize_row(qs.data() + g * head_dim, head_dim, 32767.f,
-                                    q16.data() + g * head_dim);
+        query16.set(qs.data());
         each_block(kp, [&](int64_t offset, int64_t n, const T* block) {
-          for (int64_t t = 0; t < n; ++t)
-            row_scales[t] = widen_int16(block + t * token_stride, keys16.data() + t * head_dim,
-                                        head_dim);
-          for (int64_t g = 0; g < group; ++g)
-            int_scores<D>(q16.data() + g * head_dim, qscales[g], keys16.data(), row_scales.data(),
-                          n, scores.data() + g * span + offset, head_dim);
+          query16.score(block, token_stride, n, scores.data() + offset, span);
         });
       } else {
         each_block(kp, [&](int64_t offset, int64_t n, const T* block) {
@@ -488,6 +373,13 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         part[g * part_width + head_dim + 1] = total;
       }
       each_block(vp, [&](int64_t offset, int64_t n, const T* block) {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, int8_t> && int8_kv::kFusedValueSums<D>) {
+          int8_kv::int8_value_sums<D>(scores.data() + offset, span, group, block, token_stride,
+                                      n, part, part_width);
+          return;
+        }
+#endif
         const Rows values = block_rows(block, n, token_stride, head_dim, rows.data(),
                                        row_scales.data());
         for (int64_t g = 0; g < group; ++g) {

@@ -113,6 +113,35 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Lane t of the result is the sum of v[t]'s 16 lanes: a 16x16 transpose folded into the
+// additions (45 instructions for 16 sums, against 128 for 16 separate reductions). The
+// shuffles only move lanes, so `add` decides the lanes' type: fp32 or int32 (bits
+// carried in __m512).
+template <typename Add>
+inline __m512 transpose_sum16(const __m512* v, Add add) {
+  __m512 w[8], r[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = add(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+               _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    r[i] = add(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+               _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    u[i] = add(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+               _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return add(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+             _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+inline __m512 add_ps(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+inline __m512 add_epi32(__m512 a, __m512 b) {
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+#endif
+
 // W8A8's rescale of one row of its int32 product: out[c] = float(acc[c]) * rs * cs[c],
 // then + bias[c] when bias is set, in a second loop over the row (still in cache) so
 // the product is rounded before the add, as the torch ops round it (no FMA).
