@@ -103,11 +103,12 @@ inline Rows block_rows(const T* base, int64_t n, int64_t token_stride, int64_t h
 
 // Ask for n rows of row_bytes each, stride_bytes apart, to be brought into L2. Block
 // tables scatter a context over the pool, so the hardware prefetcher cannot guess the
-// next block; fetching it while the current one is computed hides the memory latency
+// next block; fetching it two blocks ahead (kPrefetchAhead) hides the memory latency
 // that otherwise dominates a decode step. Into L2 (prefetcht1), not L1: a block's 64
 // lines at once fill L1's few miss buffers and stall the loads behind them, and on a
 // Zen 4 the same kernel with prefetcht0 read a long context at half the speed
 // (benchmarks/RESULTS.md, "Prefetching into L2").
+constexpr int64_t kPrefetchAhead = 2;   // 1 and 3 were 1-4% slower (RESULTS.md)
 inline void prefetch_rows(const void* base, int64_t n, int64_t row_bytes, int64_t stride_bytes) {
   const char* p = static_cast<const char*>(base);
   for (int64_t t = 0; t < n; ++t)
@@ -341,25 +342,34 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         const float* src = qp + (s * num_heads + h * group + g) * head_dim;
         for (int64_t i = 0; i < head_dim; ++i) qs[g * head_dim + i] = src[i] * fscale;
       }
-      // Visit the piece a block at a time: use(offset, n, block) gets the block's n rows
-      // of this head as stored, token_stride apart.
-      auto each_block = [&](const T* cache, auto&& use) {
-        for (int64_t start = lo; start < hi; start += block_size) {
-          const int64_t n = std::min(block_size, hi - start);
-          if (start + block_size < hi)
-            prefetch_rows(cache + table[start / block_size + 1] * block_stride + h * row_width,
-                          std::min(block_size, hi - start - block_size), row_width * sizeof(T),
+      // The piece's blocks are visited twice, keys then values: visit b < nb is key block
+      // b, visit nb + b value block b. Each visit prefetches the block kPrefetchAhead
+      // visits on, so the value pass's first blocks arrive while the last keys are scored.
+      const int64_t nb = last - first;
+      auto visit_block = [&](int64_t visit) {
+        return (visit < nb ? kp : vp) + table[first + visit % nb] * block_stride + h * row_width;
+      };
+      auto visit_rows = [&](int64_t visit) {
+        return std::min(block_size, span - visit % nb * block_size);
+      };
+      // One pass (0: keys, 1: values): use(offset, n, block) gets each block's n rows of
+      // this head as stored, token_stride apart.
+      auto each_block = [&](int64_t pass, auto&& use) {
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t ahead = pass * nb + b + kPrefetchAhead;
+          if (ahead < 2 * nb)
+            prefetch_rows(visit_block(ahead), visit_rows(ahead), row_width * sizeof(T),
                           token_stride * sizeof(T));
-          use(start - lo, n, cache + table[start / block_size] * block_stride + h * row_width);
+          use(b * block_size, visit_rows(pass * nb + b), visit_block(pass * nb + b));
         }
       };
       if constexpr (std::is_same_v<T, int8_t>) {
         query16.set(qs.data());
-        each_block(kp, [&](int64_t offset, int64_t n, const T* block) {
+        each_block(0, [&](int64_t offset, int64_t n, const T* block) {
           query16.score(block, token_stride, n, scores.data() + offset, span);
         });
       } else {
-        each_block(kp, [&](int64_t offset, int64_t n, const T* block) {
+        each_block(0, [&](int64_t offset, int64_t n, const T* block) {
           const Rows keys = block_rows(block, n, token_stride, head_dim, rows.data(), nullptr);
           for (int64_t g = 0; g < group; ++g)
             block_scores<D>(qs.data() + g * head_dim, keys.data, keys.stride, n,
@@ -372,7 +382,7 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
         part[g * part_width + head_dim] = mx;
         part[g * part_width + head_dim + 1] = total;
       }
-      each_block(vp, [&](int64_t offset, int64_t n, const T* block) {
+      each_block(1, [&](int64_t offset, int64_t n, const T* block) {
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<T, int8_t> && int8_kv::kFusedValueSums<D>) {
           int8_kv::int8_value_sums<D>(scores.data() + offset, span, group, block, token_stride,
