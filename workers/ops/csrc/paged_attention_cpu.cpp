@@ -275,26 +275,6 @@ inline int64_t pieces_per_context(int64_t contexts, int64_t max_len) {
   return std::max<int64_t>(1, std::min(wanted, max_len / kMinPieceTokens));
 }
 
-// Thread i runs tasks cuts[i] .. cuts[i + 1] - 1: runs of about equal work (work(task):
-// its tokens plus kTaskTokens for its fixed costs), not of equal count. A batch's
-// contexts differ in length, and at::parallel_for's equal counts left one thread waiting
-// at the join for the other (benchmarks/RESULTS.md, "Decode attention over int8 KV").
-constexpr int64_t kTaskTokens = 64;
-template <typename Work>
-std::vector<int64_t> balanced_cuts(int64_t tasks, int64_t runs, Work work) {
-  std::vector<int64_t> prefix(tasks + 1, 0);
-  for (int64_t t = 0; t < tasks; ++t) prefix[t + 1] = prefix[t] + work(t);
-  std::vector<int64_t> cuts(runs + 1, tasks);
-  cuts[0] = 0;
-  for (int64_t r = 1; r < runs; ++r) {   // the boundary nearest r / runs of the work
-    const int64_t target = prefix[tasks] * r / runs;
-    int64_t t = std::lower_bound(prefix.begin(), prefix.end(), target) - prefix.begin();
-    if (t > 0 && target - prefix[t - 1] < prefix[t] - target) --t;
-    cuts[r] = std::max(cuts[r - 1], t);
-  }
-  return cuts;
-}
-
 // block_tables [num_seqs, kv_heads, max_blocks] and seq_lens [num_seqs, kv_heads], read
 // through their strides (a dense table is expanded over heads with stride 0).
 template <typename T, int D>
@@ -330,19 +310,12 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const at::Tensor parts_buffer = at::empty({contexts * pieces * group, part_width},
                                             q.options());
   float* const parts = parts_buffer.data_ptr<float>();
-  const int64_t tasks = contexts * pieces;
-  const int64_t runs = std::min<int64_t>(tasks, at::get_num_threads());
-  const std::vector<int64_t> cuts = balanced_cuts(tasks, runs, [&](int64_t task) {
-    const int64_t s = task / pieces / kv_heads, h = task / pieces % kv_heads;
-    return std::clamp<int64_t>(lens[s * len_seq + h * len_head], 0, max_len) / pieces +
-           kTaskTokens;
-  });
-  at::parallel_for(0, runs, 1, [&](int64_t run_begin, int64_t run_end) {
+  at::parallel_for(0, contexts * pieces, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qs(group * head_dim);
     std::vector<float> rows(block_size * head_dim);  // one block's rows of this head, fp32
     std::vector<float> row_scales(block_size), weights(block_size);  // int8 values
     int8_kv::Int8Query<D> query16(group, head_dim, block_size);         // int8 keys
-    for (int64_t task = cuts[run_begin]; task < cuts[run_end]; ++task) {
+    for (int64_t task = begin; task < end; ++task) {
       const int64_t context = task / pieces, piece = task % pieces;
       const int64_t s = context / kv_heads, h = context % kv_heads;
       const int64_t len = lens[s * len_seq + h * len_head];
