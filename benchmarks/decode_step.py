@@ -10,6 +10,7 @@ pool a single process allocates (layer-major) and the one a cluster worker keeps
 shared segment (block-major, ``kvcache/kv_tensors``) on the same blocks.
 
     python -m cluster bench decode-step --batch 64 128 --context 300 [--pools private shared]
+    python -m cluster bench decode-step --batch 32 64 --quantization w8a8 --kv-dtype int8
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from workers.device import DEFAULT_BLOCK_SIZE
 from workers.loading import load_checkpoint
 from workers.model_runner import ModelRunner
 from workers.ops.base import AttentionMetadata
+from workers.ops.quant_linear import QUANTIZATIONS
 
 
 def median_s(fn: Callable[[], float], repeats: int) -> float:
@@ -75,7 +77,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
     p.add_argument("--ops", nargs="+", default=["auto", "torch"], choices=["auto", "torch"],
                    help="auto: the compiled CPU kernels; torch: the reference ops")
     p.add_argument("--kv-dtype", nargs="+", default=["auto", "float16"],
-                   choices=["auto", "float16", "bfloat16"])
+                   choices=["auto", "float16", "bfloat16", "int8"])
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="the linear layers' (w8a8: SmoothQuant calibration at load)")
     p.add_argument("--pools", nargs="+", default=["private"], choices=["private", "shared"],
                    help="private: a process's own pool (layer-major); shared: a cluster "
                         "worker's, in a shared segment (block-major)")
@@ -92,7 +96,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks.de
             runners = {pool: ModelRunner(checkpoint, CacheConfig(kv_dtype=kv_dtype),
                                          torch.device("cpu"), max(args.context) + 1,
                                          num_blocks=num_blocks, ops=ops,
-                                         shared_pool=pool == "shared") for pool in args.pools}
+                                         shared_pool=pool == "shared",
+                                         quantization=args.quantization)
+                       for pool in args.pools}
             for batch in args.batch:
                 for context in args.context:
                     for pool, runner in runners.items():   # in turns, on the same blocks
