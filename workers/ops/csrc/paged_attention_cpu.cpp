@@ -115,7 +115,6 @@ inline void prefetch_rows(const void* base, int64_t n, int64_t row_bytes, int64_
     for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + t * stride_bytes + b, 0, 2);
 }
 
-
 // Scores of n key rows against one query row: out[t] = q . rows[t]; and the weighted
 // sum dst += sum_t p[t] * rows[t]. D > 0 is the head size known at compile time (a
 // multiple of 16 takes the AVX-512 path, where each head row is D/16 registers and
