@@ -210,8 +210,16 @@ template <int D>
 class Int8Query {
  public:
   Int8Query(int64_t group, int64_t head_dim, int64_t block_size)
-      : group_(group), head_dim_(head_dim), q16_(group * head_dim), scales_(group),
-        keys16_(block_size * head_dim), row_scales_(block_size) {}
+      : group_(group), head_dim_(head_dim), q16_(group * head_dim), scales_(group) {
+#if defined(__AVX512VNNI__)
+    if constexpr (kTransposed) {
+      split_.resize(group);
+      return;
+    }
+#endif
+    keys16_.resize(block_size * head_dim);
+    row_scales_.resize(block_size);
+  }
 
   // The context's query heads (group rows of head_dim, already times the softmax scale).
   void set(const float* q) {
@@ -219,10 +227,8 @@ class Int8Query {
       scales_[g] = quantize_row(q + g * head_dim_, head_dim_, 32767.f,
                                 q16_.data() + g * head_dim_);
 #if defined(__AVX512VNNI__)
-    if constexpr (kTransposed) {
-      split_.resize(group_);
+    if constexpr (kTransposed)
       for (int64_t g = 0; g < group_; ++g) split_[g].set(q16_.data() + g * head_dim_);
-    }
 #endif
   }
 
@@ -257,7 +263,7 @@ class Int8Query {
   int64_t group_, head_dim_;
   std::vector<int16_t> q16_;
   std::vector<float> scales_;
-  std::vector<int16_t> keys16_;   // the widened path's copy of a block's keys
+  std::vector<int16_t> keys16_;   // the widened path's copy of a block's keys, its scales
   std::vector<float> row_scales_;
 };
 
