@@ -46,9 +46,9 @@ def strided(rows: torch.Tensor) -> torch.Tensor:
     return buf[:, :rows.shape[1]]
 
 
-# The kernel's vector path (KV head groups of up to 8, widths in 8s; 24 * S leaves a last 8)
-# and its plain loops.
-SHAPES = [(KVH, G, D), (2, 4, 24), (1, 9, 20)]
+# The kernel's vector paths (KV head groups of up to 8; widths in 64s, 16 blocks at a time
+# with AVX-512; widths in 8s, where 24 * S leaves a last 8) and its plain loops.
+SHAPES = [(KVH, G, D), (2, 8, 128), (2, 4, 24), (1, 9, 20)]
 
 
 @pytest.mark.parametrize("kvh, group, d", SHAPES)

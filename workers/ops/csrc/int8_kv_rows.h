@@ -122,33 +122,6 @@ inline void by_head_chunks(int64_t group, F&& f) {
 // hi . k = hi . (k + 128) - 128 sum(hi), with k + 128 (k xor 0x80) unsigned. The sum is
 // the same exact int32 as the widened path's.
 
-// In place: r[c] lane t = r[t] lane c, for 16 registers of 16 dwords. Inlined: a call
-// passes the 16 registers through memory (7% of a hot call's time).
-[[gnu::always_inline]] inline void transpose16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4i + k], 128-bit lane L: dword 4L + k of rows 4i..4i+3.
-  for (int i = 0; i < 4; ++i) {
-    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {   // a 4x4 transpose of 128-bit lanes
-    const __m512i ab_lo = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
-    const __m512i ab_hi = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
-    const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
-    const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
-    r[k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0x88);
-    r[4 + k] = _mm512_shuffle_i32x4(ab_lo, cd_lo, 0xDD);
-    r[8 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(ab_hi, cd_hi, 0xDD);
-  }
-}
-
 // One query head's int16 values as the two byte operands; dword c packs the bytes that
 // meet key bytes 4c..4c+3. corr = 32768 sum(hi) (the 128 sum(hi) above, times 256).
 template <int D>
