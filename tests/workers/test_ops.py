@@ -133,12 +133,17 @@ def decode_meta(tables, lens, block_size, head_tables=None, head_lens=None):
 
 
 @pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
-@pytest.mark.parametrize(("block_size", "kv_dtype"), SPARSE_LAYOUTS)
-def test_head_tables_of_every_block_give_the_dense_output_exactly(ops, block_size, kv_dtype):
+@pytest.mark.parametrize(("block_size", "kv_dtype"), [*SPARSE_LAYOUTS, (16, torch.int8)])
+@pytest.mark.parametrize("lens", [[1, 37, 300], [1, 37, 300, 45, 16]], ids=["3", "5"])
+def test_head_tables_of_every_block_give_the_dense_output_exactly(ops, block_size, kv_dtype,
+                                                                   lens):
     """Dense decode is per-head decode with one table broadcast over heads: the same
-    computation, so a sparse selection that keeps every block changes no bit."""
-    lens = [1, 37, 300]
-    cache, tables, _ = scatter_sequences(lens, block_size, 64, seed=block_size, dtype=kv_dtype)
+    computation, so a sparse selection that keeps every block changes no bit. With five
+    sequences on two threads the CPU kernel reads an int8 dense table's blocks for all KV
+    heads in one task, and per-head tables one head a task."""
+    stored = torch.float32 if kv_dtype == torch.int8 else kv_dtype
+    cache, tables, _ = scatter_sequences(lens, block_size, 64, seed=block_size, dtype=stored)
+    cache = quantize_rows(cache) if kv_dtype == torch.int8 else cache
     q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(2))
     dense = decode_meta(tables, lens, block_size)
     width = dense.decode_block_tables.shape[1]

@@ -1,7 +1,8 @@
 // Paged decode attention for CPUs: each query token attends to its sequence's KV
-// straight from the block pool, one (sequence, KV head) context per task (or, below
-// twice as many contexts as threads, one piece of a context: decode_kernel), so no
-// per-step copy of the context is made. Each task reads the block table and length of
+// straight from the block pool, one (sequence, KV head) context per task (below twice
+// as many contexts as threads, one piece of a context; over int8 rows with one table
+// for all heads, a sequence's every head: decode_kernel), so no per-step copy of the
+// context is made. Each task reads the block table and length of
 // its own (sequence, KV head), so sparse attention (a subset of blocks per KV head) runs
 // the code dense decode runs, whose one table is every head's. Registered as
 // torch.ops.llm_cluster.paged_decode_attention.
@@ -297,30 +298,43 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  // Each context is cut into `pieces` runs of whole blocks, one task each. A task leaves
-  // its piece's softmax unnormalised: per query head the max score, the sum of
-  // exp(score - max) and the values weighted by those exps (`parts`); the merge below
-  // rescales every piece to the context's max, as split-K decoding does.
+  // A task takes `heads` KV heads of one sequence. Over int8 rows that is all of them when
+  // they share one table and the sequences alone keep every thread busy: an int8 row is
+  // 66 bytes, so most of a head's rows share cache lines with its neighbours', and a
+  // block read for every head at once loads each line once (10-15% faster at 64 x 304;
+  // fp16 rows, two whole lines each, ran 13-40% slower that way: benchmarks/RESULTS.md).
+  // One head otherwise. Each (sequence, KV head) context is cut into `pieces` runs of
+  // whole blocks. A task leaves each of its pieces' softmax unnormalised: per query head
+  // the max score, the sum of exp(score - max) and the values weighted by those exps
+  // (`parts`); the merge below rescales every piece to the context's max, as split-K
+  // decoding does.
   const int64_t contexts = num_seqs * kv_heads;
-  const int64_t pieces = pieces_per_context(contexts, max_len);
-  // A part per (task, query head): acc[head_dim], max, sum, each part on its own 64-byte
-  // lines (at::empty aligns to 64), so two threads' parts never share a line.
+  const bool shared_table = table_head == 0 && len_head == 0;
+  const int64_t heads = std::is_same_v<T, int8_t> && shared_table &&
+                                num_seqs >= 2 * at::get_num_threads() ? kv_heads : 1;
+  // A block of every head is `heads` times the bytes: fetched one block ahead, not two.
+  const int64_t prefetch_ahead = heads > 1 ? 1 : kPrefetchAhead;
+  const int64_t pieces = pieces_per_context(contexts / heads, max_len);
+  // A part per (context, piece, query head): acc[head_dim], max, sum, each part on its own
+  // 64-byte lines (at::empty aligns to 64), so two threads' parts never share a line.
   const int64_t part_width = (head_dim + 2 + 15) / 16 * 16;
   const at::Tensor parts_buffer = at::empty({contexts * pieces * group, part_width},
                                             q.options());
   float* const parts = parts_buffer.data_ptr<float>();
-  at::parallel_for(0, contexts * pieces, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qs(group * head_dim);
-    std::vector<float> rows(block_size * head_dim);  // one block's rows of this head, fp32
+  at::parallel_for(0, contexts / heads * pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qs(heads * group * head_dim);
+    std::vector<float> rows(block_size * head_dim);  // one block's rows of a head, fp32
     std::vector<float> row_scales(block_size), weights(block_size);  // int8 values
-    int8_kv::Int8Query<D> query16(group, head_dim, block_size);         // int8 keys
+    std::vector<int8_kv::Int8Query<D>> query16;                       // int8 keys
+    if constexpr (std::is_same_v<T, int8_t>)
+      for (int64_t i = 0; i < heads; ++i) query16.emplace_back(group, head_dim, block_size);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t context = task / pieces, piece = task % pieces;
-      const int64_t s = context / kv_heads, h = context % kv_heads;
-      const int64_t len = lens[s * len_seq + h * len_head];
-      const int64_t* table = tables + s * table_seq + h * table_head;
+      const int64_t unit = task / pieces, piece = task % pieces;
+      const int64_t s = unit * heads / kv_heads, h0 = unit * heads % kv_heads;
+      const int64_t len = lens[s * len_seq + h0 * len_head];
+      const int64_t* table = tables + s * table_seq + h0 * table_head;
       TORCH_CHECK(len > 0 && len <= max_len, "paged_decode_attention: length ", len,
-                  " of sequence ", s, " head ", h, " outside 1..", max_len);
+                  " of sequence ", s, " head ", h0, " outside 1..", max_len);
       const int64_t blocks = (len + block_size - 1) / block_size;
       const int64_t first = blocks * piece / pieces, last = blocks * (piece + 1) / pieces;
       for (int64_t b = first; b < last; ++b)
@@ -328,76 +342,87 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
                     table[b], " outside the pool of ", num_blocks);
       const int64_t lo = first * block_size, hi = std::min(len, last * block_size);
       const int64_t span = std::max<int64_t>(0, hi - lo);
-      float* part = parts + task * group * part_width;
+      // Head h0 + i's part for query head g.
+      auto part_of = [&](int64_t i, int64_t g) {
+        return parts + (((s * kv_heads + h0 + i) * pieces + piece) * group + g) * part_width;
+      };
       if (span == 0) {   // a piece past a short context's end: the merge skips its acc
-        for (int64_t g = 0; g < group; ++g) {
-          part[g * part_width + head_dim] = -INFINITY;
-          part[g * part_width + head_dim + 1] = 0.f;
-        }
+        for (int64_t i = 0; i < heads; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            part_of(i, g)[head_dim] = -INFINITY;
+            part_of(i, g)[head_dim + 1] = 0.f;
+          }
         continue;
       }
-      scores.resize(group * span);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* src = qp + (s * num_heads + h * group + g) * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) qs[g * head_dim + i] = src[i] * fscale;
+      scores.resize(heads * group * span);
+      for (int64_t i = 0; i < heads * group; ++i) {
+        const float* src = qp + (s * num_heads + h0 * group + i) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qs[i * head_dim + d] = src[d] * fscale;
       }
       // The piece's blocks are visited twice, keys then values: visit b < nb is key block
-      // b, visit nb + b value block b. Each visit prefetches the block kPrefetchAhead
-      // visits on, so the value pass's first blocks arrive while the last keys are scored.
+      // b, visit nb + b value block b. Each visit prefetches the task's heads' rows of the
+      // block prefetch_ahead visits on, so the value pass's first blocks arrive while the
+      // last keys are scored.
       const int64_t nb = last - first;
       auto visit_block = [&](int64_t visit) {
-        return (visit < nb ? kp : vp) + table[first + visit % nb] * block_stride + h * row_width;
+        return (visit < nb ? kp : vp) + table[first + visit % nb] * block_stride + h0 * row_width;
       };
       auto visit_rows = [&](int64_t visit) {
         return std::min(block_size, span - visit % nb * block_size);
       };
-      // One pass (0: keys, 1: values): use(offset, n, block) gets each block's n rows of
-      // this head as stored, token_stride apart.
+      // One pass (0: keys, 1: values): use(offset, n, rows, i) gets each block's n rows of
+      // head h0 + i as stored, token_stride apart, for every head of the task in turn.
       auto each_block = [&](int64_t pass, auto&& use) {
         for (int64_t b = 0; b < nb; ++b) {
-          const int64_t ahead = pass * nb + b + kPrefetchAhead;
+          const int64_t ahead = pass * nb + b + prefetch_ahead;
           if (ahead < 2 * nb)
-            prefetch_rows(visit_block(ahead), visit_rows(ahead), row_width * sizeof(T),
+            prefetch_rows(visit_block(ahead), visit_rows(ahead), heads * row_width * sizeof(T),
                           token_stride * sizeof(T));
-          use(b * block_size, visit_rows(pass * nb + b), visit_block(pass * nb + b));
+          const T* block = visit_block(pass * nb + b);
+          for (int64_t i = 0; i < heads; ++i)
+            use(b * block_size, visit_rows(pass * nb + b), block + i * row_width, i);
         }
       };
       if constexpr (std::is_same_v<T, int8_t>) {
-        query16.set(qs.data());
-        each_block(0, [&](int64_t offset, int64_t n, const T* block) {
-          query16.score(block, token_stride, n, scores.data() + offset, span);
+        for (int64_t i = 0; i < heads; ++i) query16[i].set(qs.data() + i * group * head_dim);
+        each_block(0, [&](int64_t offset, int64_t n, const T* block, int64_t i) {
+          query16[i].score(block, token_stride, n, scores.data() + i * group * span + offset,
+                           span);
         });
       } else {
-        each_block(0, [&](int64_t offset, int64_t n, const T* block) {
+        each_block(0, [&](int64_t offset, int64_t n, const T* block, int64_t i) {
           const Rows keys = block_rows(block, n, token_stride, head_dim, rows.data(), nullptr);
           for (int64_t g = 0; g < group; ++g)
-            block_scores<D>(qs.data() + g * head_dim, keys.data, keys.stride, n,
-                            scores.data() + g * span + offset, head_dim);
+            block_scores<D>(qs.data() + (i * group + g) * head_dim, keys.data, keys.stride, n,
+                            scores.data() + (i * group + g) * span + offset, head_dim);
         });
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const auto [mx, total] = exp_shifted(scores.data() + g * span, span);
-        std::fill(part + g * part_width, part + g * part_width + head_dim, 0.f);
-        part[g * part_width + head_dim] = mx;
-        part[g * part_width + head_dim + 1] = total;
-      }
-      each_block(1, [&](int64_t offset, int64_t n, const T* block) {
+      for (int64_t i = 0; i < heads; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+          const auto [mx, total] = exp_shifted(scores.data() + (i * group + g) * span, span);
+          float* part = part_of(i, g);
+          std::fill(part, part + head_dim, 0.f);
+          part[head_dim] = mx;
+          part[head_dim + 1] = total;
+        }
+      each_block(1, [&](int64_t offset, int64_t n, const T* block, int64_t i) {
+        const float* head_scores = scores.data() + i * group * span;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<T, int8_t> && int8_kv::kFusedValueSums<D>) {
-          int8_kv::int8_value_sums<D>(scores.data() + offset, span, group, block, token_stride,
-                                      n, part, part_width);
+          int8_kv::int8_value_sums<D>(head_scores + offset, span, group, block, token_stride,
+                                      n, part_of(i, 0), part_width);
           return;
         }
 #endif
         const Rows values = block_rows(block, n, token_stride, head_dim, rows.data(),
                                        row_scales.data());
         for (int64_t g = 0; g < group; ++g) {
-          const float* p = scores.data() + g * span + offset;
+          const float* p = head_scores + g * span + offset;
           if (values.scales) {
             for (int64_t t = 0; t < n; ++t) weights[t] = p[t] * values.scales[t];
             p = weights.data();
           }
-          accumulate<D>(p, values.data, values.stride, n, part + g * part_width, head_dim);
+          accumulate<D>(p, values.data, values.stride, n, part_of(i, g), head_dim);
         }
       });
     }
