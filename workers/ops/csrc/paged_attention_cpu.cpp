@@ -301,8 +301,8 @@ void decode_kernel(const at::Tensor& out, const at::Tensor& q, const at::Tensor&
   // A task takes `heads` KV heads of one sequence. Over int8 rows that is all of them when
   // they share one table and the sequences alone keep every thread busy: an int8 row is
   // 66 bytes, so most of a head's rows share cache lines with its neighbours', and a
-  // block read for every head at once loads each line once (10-15% faster at 64 x 304;
-  // fp16 rows, two whole lines each, ran 13-40% slower that way: benchmarks/RESULTS.md).
+  // block read for every head at once loads each line once (11-18% faster, cold; fp16
+  // rows, two whole lines each, ran 2-43% slower that way: benchmarks/RESULTS.md).
   // One head otherwise. Each (sequence, KV head) context is cut into `pieces` runs of
   // whole blocks. A task leaves each of its pieces' softmax unnormalised: per query head
   // the max score, the sum of exp(score - max) and the values weighted by those exps
