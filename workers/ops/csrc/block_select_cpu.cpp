@@ -145,10 +145,7 @@ void score_group16(const Task& task, int64_t first, int64_t count, int64_t vecto
       for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
       for (int64_t c0 = 0; c0 < dim; c0 += 64) {
         __m512i x[16];
-        for (int64_t t = 0; t < 16; ++t)
-          x[t] = t < n ? _mm512_loadu_si512(vec + t * task.block_stride + c0)
-                       : _mm512_setzero_si512();
-        transpose16_epi32(x);
+        load_transposed16(vec + c0, task.block_stride, n, x);
         const float* parts = task.parts + v * dim + c0;
         for (int c = 0; c < 16; ++c)
           for (int k = 0; k < 4; ++k) {   // byte k of each lane, sign-extended

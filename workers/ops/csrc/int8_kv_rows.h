@@ -152,10 +152,7 @@ inline void transposed_scores(const SplitQuery<D>* q, const float* qscale, const
   for (int g = 0; g < G; ++g) hi[g] = lo[g] = _mm512_setzero_si512();
   for (int c0 = 0; c0 < D / 64; ++c0) {
     __m512i k[16];
-    for (int t = 0; t < 16; ++t)
-      k[t] = t < n ? _mm512_loadu_si512(rows + t * token_stride + 64 * c0)
-                   : _mm512_setzero_si512();
-    transpose16_epi32(k);
+    load_transposed16(rows + 64 * c0, token_stride, n, k);
     for (int c = 0; c < 16; ++c) {
       const __m512i ku = _mm512_xor_si512(k[c], flip);
       for (int g = 0; g < G; ++g) {

@@ -163,6 +163,15 @@ inline __m512 transpose_sum16(const __m512* v, Add add) {
   }
 }
 
+// r[c] lane t = bytes 4c..4c+3 of the 64 at rows + t * stride, for the n <= 16 rows (lanes
+// of rows t >= n are 0): one instruction then works on a 4-byte piece of all 16 rows.
+[[gnu::always_inline]] inline void load_transposed16(const int8_t* rows, int64_t stride,
+                                                     int64_t n, __m512i r[16]) {
+  for (int64_t t = 0; t < 16; ++t)
+    r[t] = t < n ? _mm512_loadu_si512(rows + t * stride) : _mm512_setzero_si512();
+  transpose16_epi32(r);
+}
+
 inline __m512 add_ps(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 inline __m512 add_epi32(__m512 a, __m512 b) {
   return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
