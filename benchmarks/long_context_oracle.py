@@ -8,7 +8,12 @@ the real keys, summed over the GQA group's query heads), read from the device po
 oracle needs every key on the device, so it runs in sparse mode; the rest of the step
 (tables, attention op) is the engine's own.
 
-    python -m cluster bench long-context-oracle [--top-k-percent 0.2] [--json PATH]
+``--key-bits`` adds oracles that compute the mass from keys rounded to fewer bits per
+channel (a scale per token and KV head): what a summary holding every token's key at
+that precision would select, and so what such a summary kind could reach.
+
+    python -m cluster bench long-context-oracle [--top-k-percent 0.2] [--key-bits 4,3]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import argparse
 import gc
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -33,33 +38,52 @@ from workers.ops.base import AttentionMetadata
 from workers.sparse_attention import SparseStep
 
 
-def oracle_blocks(q: torch.Tensor, keys: torch.Tensor, k: int) -> torch.Tensor:
+def round_keys(keys: torch.Tensor, bits: int) -> torch.Tensor:
+    """``keys`` [..., D] rounded to ``bits``-bit symmetric integers with a scale per row
+    (its largest magnitude over 2^(bits-1) - 1), returned dequantized in fp32."""
+    levels = 2 ** (bits - 1) - 1
+    k = keys.float()
+    scale = k.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / levels
+    return (k / scale).round().clamp(-levels, levels) * scale
+
+
+def oracle_blocks(q: torch.Tensor, keys: torch.Tensor, k: int,
+                  key_bits: int | None = None) -> torch.Tensor:
     """[KVH, k] ascending indices of the middle blocks ``keys`` [M, T, KVH, D] that hold the
-    most attention mass of the query heads ``q`` [H, D], summed over each GQA group."""
+    most attention mass of the query heads ``q`` [H, D], summed over each GQA group; with
+    ``key_bits``, the mass of the keys rounded by ``round_keys``."""
+    if key_bits is not None:
+        keys = round_keys(keys, key_bits)
     m, _, kvh, d = keys.shape
     logits = torch.einsum("hgd,mthd->hgmt", q.float().view(kvh, -1, d), keys.float())
     mass = torch.softmax(logits.flatten(2) / math.sqrt(d), -1).view_as(logits).sum((1, 3))
     return mass.topk(min(k, m), dim=1).indices.sort(dim=1).values
 
 
-def _oracle_decode_meta(self: SparseStep, layer: int, q: torch.Tensor,
-                        kv_cache: torch.Tensor) -> AttentionMetadata:
+def _oracle_decode_meta(key_bits: int | None) -> Callable[..., AttentionMetadata]:
     """``SparseStep.decode_meta`` with the oracle's choice in every sparse row."""
-    tables = self.meta.decode_head_tables
-    for sr in self.rows:
-        m, r = sr.middle.shape
-        keys = kv_cache[0][sr.middle.flatten()]                  # [M*r, bs, KVH, D]
-        keys = keys.reshape(m, -1, *keys.shape[2:])
-        picked = sr.middle[oracle_blocks(q[sr.row], keys, sr.top_k)].flatten(1)
-        tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
-    return self.meta
+
+    def decode_meta(self: SparseStep, layer: int, q: torch.Tensor,
+                    kv_cache: torch.Tensor) -> AttentionMetadata:
+        tables = self.meta.decode_head_tables
+        for sr in self.rows:
+            m, r = sr.middle.shape
+            keys = kv_cache[0][sr.middle.flatten()]                  # [M*r, bs, KVH, D]
+            keys = keys.reshape(m, -1, *keys.shape[2:])
+            chosen = oracle_blocks(q[sr.row], keys, sr.top_k, key_bits)
+            picked = sr.middle[chosen].flatten(1)
+            tables[sr.row, :, sr.first:sr.first + picked.shape[1]] = picked
+        return self.meta
+
+    return decode_meta
 
 
 @contextmanager
-def oracle_selection() -> Iterator[None]:
-    """Sparse steps select by the oracle while inside."""
+def oracle_selection(key_bits: int | None = None) -> Iterator[None]:
+    """Sparse steps select by the oracle (over keys rounded to ``key_bits``) while
+    inside."""
     saved = SparseStep.decode_meta
-    SparseStep.decode_meta = _oracle_decode_meta
+    SparseStep.decode_meta = _oracle_decode_meta(key_bits)
     try:
         yield
     finally:
@@ -75,19 +99,26 @@ def main(argv: Sequence[str] | None = None,
     p.add_argument("--steps", type=int, default=100, help="forced decode steps per window")
     p.add_argument("--top-k-percent", type=float, default=Regions.top_k_percent,
                    help="share of the middle blocks attended (default: %(default)s)")
+    p.add_argument("--key-bits", default="",
+                   help="comma-separated bit widths: also an oracle over keys rounded to each")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH")
     args = p.parse_args(argv)
+    bits = [b for b in args.key_bits.split(",") if b]
+    if not all(b.isdigit() and 2 <= int(b) <= 16 for b in bits):
+        raise SystemExit(f"--key-bits: got {args.key_bits!r}; expected comma-separated "
+                         "widths from 2 to 16, for example 4,3")
     torch.set_num_threads(NUM_THREADS)
     regions = Regions(top_k_percent=args.top_k_percent)
     body, source = read_text(None)
     starts = window_starts(args.prefill, args.tokens, args.steps, args.windows)
     runs = {}
-    for name in ("dense", "summary", "oracle"):
+    oracles = {"oracle": None} | {f"oracle, {b}-bit keys": int(b) for b in bits}
+    for name in ("dense", "summary", *oracles):
         llm = LLM(config=engine_config("dense" if name == "dense" else "sparse", regions))
         try:
             text = llm.get_tokenizer().encode(body)[:args.tokens]
-            if name == "oracle":
-                with oracle_selection():
+            if name in oracles:
+                with oracle_selection(oracles[name]):
                     runs[name] = run_forced(llm, text, starts, args.steps, keep_logits=True)
             else:
                 runs[name] = run_forced(llm, text, starts, args.steps, keep_logits=True)
@@ -96,7 +127,7 @@ def main(argv: Sequence[str] | None = None,
             del llm
             gc.collect()
         print(f"  {name}: {len(runs[name])} forced rows", flush=True)
-    figs = {n: forced_figures(runs["dense"], runs[n]) for n in ("summary", "oracle")}
+    figs = {n: forced_figures(runs["dense"], runs[n]) for n in ("summary", *oracles)}
     print(f"text: {source}; windows at {starts}, {args.steps} steps each; "
           f"{regions.top_k_percent:.0%} of the middle, summary {regions.summary!r}")
     print("| selection | agreement with dense | differ | KL mean / max | NLL (dense) |")

@@ -2,7 +2,7 @@
 
 import torch
 
-from benchmarks.long_context_oracle import oracle_blocks
+from benchmarks.long_context_oracle import oracle_blocks, round_keys
 
 
 def test_oracle_takes_the_blocks_with_the_most_group_mass():
@@ -18,3 +18,28 @@ def test_oracle_takes_the_blocks_with_the_most_group_mass():
     got = oracle_blocks(q, keys, 2)
     assert got[0].tolist() == [1, 3]
     assert 2 in got[1].tolist()   # head 1: block 2, then a tie among the others
+
+
+def test_keys_round_to_a_scale_per_row():
+    keys = torch.tensor([[0.7, -0.35, 0.1, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # 4 bits: 7 levels a side, scale 0.7 / 7 = 0.1; -3.5 rounds to even (-4).
+    got = round_keys(keys, 4)
+    assert torch.allclose(got[0], torch.tensor([0.7, -0.4, 0.1, 0.0]))
+    assert torch.equal(got[1], torch.zeros(4))   # an all-zero row stays zero, not NaN
+    # 2 bits: one level a side, so every channel is -max, 0 or +max.
+    assert torch.allclose(round_keys(keys, 2)[0], torch.tensor([0.7, -0.0, 0.0, 0.0]))
+
+
+def test_oracle_over_rounded_keys_loses_a_key_below_the_step():
+    # One KV head of one query head; D = 2. Block 0's key leads on channel 1, which the
+    # 2-bit rounding (a level of 1.0 for a row whose largest value is 1.0) zeroes.
+    keys = torch.zeros(2, 1, 1, 2)
+    keys[0, 0, 0] = torch.tensor([1.0, 0.45])
+    keys[1, 0, 0] = torch.tensor([1.0, 0.4])
+    q = torch.tensor([[0.0, 10.0]])
+    assert oracle_blocks(q, keys, 1).tolist() == [[0]]
+    # Rounded, both keys are [1, 0]: a tie, and the exact choice is no longer implied.
+    rounded = round_keys(keys, 2)
+    assert torch.equal(rounded[0], rounded[1])
+    keys[1, 0, 0] = torch.tensor([1.0, 0.6])   # now 0.6 rounds up to the level
+    assert oracle_blocks(q, keys, 1, key_bits=2).tolist() == [[1]]
