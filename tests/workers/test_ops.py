@@ -243,6 +243,36 @@ def test_cpu_decode_kernel_rejects_head_lengths_and_blocks_outside_its_inputs():
 
 
 @pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("length", [1, 16, 45])
+def test_cpu_context_read_is_the_reference_read_bit_for_bit(kv_dtype, length, order):
+    """Prefill over cached tokens reads its context through ``read_context``: the CPU
+    kernel's one pass gives exactly the reference's index copy and conversion, int8 rows
+    dequantized value by value (``dequantize_rows``)."""
+    g = torch.Generator().manual_seed(length)
+    fp = torch.randn(2, 8, 16, KVH, D, generator=g)
+    stored = quantize_rows(fp) if kv_dtype == torch.int8 else fp.to(kv_dtype)
+    _, cache = in_pool(stored, order)
+    table = torch.tensor([6, 1, 3, 7])            # scattered, and longer than the context
+    keys, values = CpuOps().read_context(cache, table, length, torch.float32)
+    ref_keys, ref_values = TorchOps().read_context(cache, table, length, torch.float32)
+    assert keys.shape == (length, KVH, D) and keys.dtype == torch.float32
+    assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+    want = stored[1, 6].view(16, KVH, -1)[:min(length, 16)]   # values of the first block
+    want = dequantize_rows(want, torch.float32) if kv_dtype == torch.int8 else want.float()
+    assert torch.equal(values[:16], want)
+
+
+def test_cpu_context_read_rejects_a_block_outside_the_pool():
+    assert load_cpu_kernels() is None
+    cache = torch.zeros(2, 4, 16, KVH, D)
+    with pytest.raises(RuntimeError, match="block 4 outside the pool of 4"):
+        torch.ops.llm_cluster.gather_kv(cache, torch.tensor([0, 4]), 17)
+    with pytest.raises(RuntimeError, match="at least the 2 blocks of 17 tokens"):
+        torch.ops.llm_cluster.gather_kv(cache, torch.tensor([0]), 17)
+
+
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("ops", all_ops(), ids=lambda o: o.name)
 def test_write_kv_lands_in_the_mapped_slots(ops, order):
     pool, cache = in_pool(torch.zeros(2, 4, 16, KVH, D), order)

@@ -234,6 +234,12 @@ class CpuOps(TorchOps):
         out = _rescaled_product(qh, sh, dn, None)
         return out.reshape(*x.shape[:-1], dn.out_features)
 
+    def read_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype != torch.float32 or kv_cache.dtype not in KERNEL_KV_DTYPES:
+            return super().read_context(kv_cache, block_table, length, dtype)
+        return torch.ops.llm_cluster.gather_kv(kv_cache, block_table, length).unbind(0)
+
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         if q.dtype != torch.float32 or kv_cache.dtype not in KERNEL_KV_DTYPES:

@@ -100,9 +100,20 @@ class TorchOps:
             if seg.context_len == n and kv_cache.dtype != torch.int8:
                 ks, vs = k[s:s + n], v[s:s + n]
             else:
-                ks, vs = _gather(kv_cache, seg.block_table, seg.context_len, q.dtype)
+                ks, vs = self.read_context(kv_cache, seg.block_table, seg.context_len, q.dtype)
             out[s:s + n] = _causal_attention(q[s:s + n], ks, vs, scale)
         return out
+
+    def read_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``length`` tokens' keys and values [length, KVH, D] as ``dtype``,
+        from the context's pool blocks ``block_table`` (int8 rows dequantized)."""
+        _, _, bs, kvh, width = kv_cache.shape
+        nb = -(-length // bs)
+        blocks = block_table[:nb]
+        keys = _read(kv_cache[0][blocks].view(nb * bs, kvh, width)[:length], dtype)
+        values = _read(kv_cache[1][blocks].view(nb * bs, kvh, width)[:length], dtype)
+        return keys, values
 
     def block_selector(self, kind: str) -> BlockSelector:
         return ExactSelector(kind)
@@ -137,16 +148,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    _, _, bs, kvh, width = kv_cache.shape
-    nb = -(-length // bs)
-    blocks = block_table[:nb]
-    keys = _read(kv_cache[0][blocks].view(nb * bs, kvh, width)[:length], dtype)
-    values = _read(kv_cache[1][blocks].view(nb * bs, kvh, width)[:length], dtype)
-    return keys, values
 
 
 def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
