@@ -1,9 +1,9 @@
 // A context's keys and values read out of the paged pool as fp32, for prefill attention
 // over cached tokens (a prefix-cache hit, a later chunk) and over every int8 pool. In
 // torch that is an index copy of the blocks and then a conversion, two passes over the
-// context and a temporary: with int8 KV, 0.4-0.8 s of a 23-28 s Workload A run, against
-// 0.13-0.15 s here (benchmarks/RESULTS.md). Here each block is read once and written
-// once. The values are exactly torch's: an int8 row dequantizes as
+// context and a temporary. This op reads each block once and writes it once: with int8
+// KV the reads of a 23-28 s Workload A run took 0.13-0.15 s, against 0.4-0.8 s in torch
+// (benchmarks/RESULTS.md). The values are exactly torch's: an int8 row dequantizes as
 // float(value) * float(scale), one product per value (kvcache/kv_quant.py).
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
