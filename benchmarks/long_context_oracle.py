@@ -31,7 +31,13 @@ import torch
 
 from benchmarks.long_context_quality import AGREEMENT_TARGET, forced_figures
 from benchmarks.long_context_recall import read_text
-from benchmarks.long_context_tasks import Regions, engine_config, run_forced, window_starts
+from benchmarks.long_context_tasks import (
+    WINDOWS,
+    Regions,
+    engine_config,
+    run_forced,
+    window_starts,
+)
 from benchmarks.peers.common import NUM_THREADS
 from cluster.llm import LLM
 from workers.ops.base import AttentionMetadata
@@ -95,7 +101,8 @@ def main(argv: Sequence[str] | None = None,
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8000, help="tokens of the text to force")
     p.add_argument("--prefill", type=int, default=2000, help="the first window's prompt")
-    p.add_argument("--windows", type=int, default=4, help="forced windows")
+    p.add_argument("--windows", type=int, default=WINDOWS,
+                   help="forced windows (default: %(default)s)")
     p.add_argument("--steps", type=int, default=100, help="forced decode steps per window")
     p.add_argument("--top-k-percent", type=float, default=Regions.top_k_percent,
                    help="share of the middle blocks attended (default: %(default)s)")

@@ -52,6 +52,7 @@ from benchmarks.long_context_tasks import (
     BLOCK_SIZE,
     MAX_NUM_SEQS,
     VARIANTS,
+    WINDOWS,
     ForcedStep,
     PasskeyCase,
     Regions,
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None,
                    help="tokens of the text to force (default: %(default)s)")
     p.add_argument("--prefill", type=int, default=2000,
                    help="the first window's prompt length, prefilled (default: %(default)s)")
-    p.add_argument("--windows", type=int, default=4,
+    p.add_argument("--windows", type=int, default=WINDOWS,
                    help="forced windows, spread from --prefill to the text's end "
                    "(default: %(default)s)")
     p.add_argument("--steps", type=int, default=100,
