@@ -242,6 +242,46 @@ def test_cpu_decode_kernel_rejects_head_lengths_and_blocks_outside_its_inputs():
                                                      torch.tensor([[17, 17]]), 1.0)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize(("n", "length"), [(1, 1), (7, 7), (16, 16), (70, 70), (33, 200),
+                                          (1, 130), (129, 129)])
+def test_cpu_prompt_attention_matches_a_float64_causal_softmax(heads, kv_heads, head_dim, n,
+                                                               length):
+    """The prompt-attention kernel (16 query positions of a GQA group a task, 64-key
+    online-softmax blocks) against the softmax written out in float64: lengths inside
+    one key block, across blocks, and queries that are only the context's tail."""
+    g = torch.Generator().manual_seed(n * 1000 + length)
+    q = torch.randn(n, heads, head_dim, generator=g)
+    k, v = (torch.randn(length, kv_heads, head_dim, generator=g) for _ in range(2))
+    scale = head_dim ** -0.5
+    got = CpuOps().causal_attention(q, k, v, scale)
+    group = heads // kv_heads
+    kf, vf = (x.double().repeat_interleave(group, dim=1) for x in (k, v))   # [L, H, D]
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), kf) * scale
+    visible = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    want = torch.einsum("hnl,lhd->nhd", probs, vf)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_cpu_prompt_attention_reads_strided_rows_and_rejects_bad_shapes():
+    """k and v as the model passes them (slices of the step's [T, KVH, D] rows), and
+    shapes the kernel cannot take."""
+    assert load_cpu_kernels() is None
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(40, 2, 3, 64, generator=g)          # [T, k/v, KVH, D]: strided rows
+    q = torch.randn(40, 6, 64, generator=g)
+    got = torch.ops.llm_cluster.prefill_attention(q, kv[:, 0], kv[:, 1], 0.125)
+    want = TorchOps().causal_attention(q, kv[:, 0].contiguous(), kv[:, 1].contiguous(), 0.125)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="need n <= L, KVH dividing H"):
+        torch.ops.llm_cluster.prefill_attention(q, kv[:20, 0], kv[:20, 1], 0.125)
+    with pytest.raises(RuntimeError, match="head size 32"):
+        torch.ops.llm_cluster.prefill_attention(q[..., :32].contiguous(),
+                                                kv[:, 0, :, :32].contiguous(),
+                                                kv[:, 1, :, :32].contiguous(), 0.125)
+
+
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("length", [1, 16, 45])

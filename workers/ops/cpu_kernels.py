@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 # KV the kernels write and the decode kernel reads
 KERNEL_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+# head sizes the prompt-attention kernel is built for
+PREFILL_HEAD_SIZES = (64, 128)
 _LIBRARY = "llm_cluster_cpu_kernels"
 
 
@@ -233,6 +235,12 @@ class CpuOps(TorchOps):
         qh, sh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(*_int8_product(qx, sx, gu))
         out = _rescaled_product(qh, sh, dn, None)
         return out.reshape(*x.shape[:-1], dn.out_features)
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        if q.dtype != torch.float32 or q.shape[-1] not in PREFILL_HEAD_SIZES:
+            return super().causal_attention(q, k, v, scale)
+        return torch.ops.llm_cluster.prefill_attention(q, k, v, scale)
 
     def read_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,8 +101,23 @@ class TorchOps:
                 ks, vs = k[s:s + n], v[s:s + n]
             else:
                 ks, vs = self.read_context(kv_cache, seg.block_table, seg.context_len, q.dtype)
-            out[s:s + n] = _causal_attention(q[s:s + n], ks, vs, scale)
+            out[s:s + n] = self.causal_attention(q[s:s + n], ks, vs, scale)
         return out
+
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """q [n, H, D] are the last n positions of a context of k/v [L, KVH, D]."""
+        n, length = q.shape[0], k.shape[0]
+        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+        if n == length:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            rows = torch.arange(n, device=q.device)[:, None] + (length - n)
+            mask = torch.arange(length, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        return o[0].transpose(0, 1)
 
     def read_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,19 +168,3 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def _read(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Stored KV rows as ``dtype`` (int8 rows dequantized)."""
     return dequantize_rows(rows, dtype) if rows.dtype == torch.int8 else rows.to(dtype)
-
-
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q [n, H, D] are the last n positions of a context of k/v [L, KVH, D]."""
-    n, length = q.shape[0], k.shape[0]
-    qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if n == length:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                           enable_gqa=True)
-    else:
-        rows = torch.arange(n, device=q.device)[:, None] + (length - n)
-        mask = torch.arange(length, device=q.device)[None, :] <= rows
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-    return o[0].transpose(0, 1)
