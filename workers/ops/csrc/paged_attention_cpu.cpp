@@ -213,32 +213,7 @@ inline std::pair<float, float> exp_shifted(float* row, int64_t len) {
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
   for (int64_t i = 0; i < len; ++i) mx = std::max(mx, row[i]);
-  float total = 0.f;
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vtotal = _mm512_setzero_ps();
-  for (; i + 16 <= len; i += 16) {
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), vmx));
-    _mm512_storeu_ps(row + i, e);
-    vtotal = _mm512_add_ps(vtotal, e);
-  }
-  total = _mm512_reduce_add_ps(vtotal);
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 vmx = _mm256_set1_ps(mx);
-  __m256 vtotal = _mm256_setzero_ps();
-  for (; i + 8 <= len; i += 8) {
-    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + i), vmx));
-    _mm256_storeu_ps(row + i, e);
-    vtotal = _mm256_add_ps(vtotal, e);
-  }
-  total = sum8(vtotal);
-#endif
-  for (; i < len; ++i) {
-    row[i] = std::exp(row[i] - mx);
-    total += row[i];
-  }
-  return {mx, total};
+  return {mx, exp_shift(row, len, mx)};
 }
 
 // How many pieces each (sequence, KV head) context is cut into: one, unless there are

@@ -61,26 +61,6 @@ inline void accumulate_rows(const float* p, const float* v, int64_t vs, int64_t 
     for (int d = 0; d < D; ++d) out[r * D + d] = acc[r][d];
 }
 
-// exp(x[i] - m) for n values, written back; returns their sum.
-inline float exp_shift(float* x, int64_t n, float m) {
-  int64_t i = 0;
-  float sum = 0.f;
-#if defined(__AVX512F__)
-  __m512 total = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(m)));
-    _mm512_storeu_ps(x + i, e);
-    total = _mm512_add_ps(total, e);
-  }
-  sum = _mm512_reduce_add_ps(total);
-#endif
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - m);
-    sum += x[i];
-  }
-  return sum;
-}
-
 struct Shape {
   int64_t n, length, heads, kv_heads, group;
   int64_t q_stride, v_stride;  // row (token) strides

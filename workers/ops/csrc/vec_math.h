@@ -138,6 +138,37 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+// x[0:n] = exp(x[0:n] - m) in place; returns the sum of the new values (a softmax's
+// numerators and their total, m the row's max).
+inline float exp_shift(float* x, int64_t n, float m) {
+  float total = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vtotal = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm));
+    _mm512_storeu_ps(x + i, e);
+    vtotal = _mm512_add_ps(vtotal, e);
+  }
+  total = _mm512_reduce_add_ps(vtotal);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 vtotal = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    vtotal = _mm256_add_ps(vtotal, e);
+  }
+  total = sum8(vtotal);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    total += x[i];
+  }
+  return total;
+}
+
 #if defined(__AVX512F__)
 // Lane t of the result is the sum of v[t]'s 16 lanes: a 16x16 transpose folded into the
 // additions (45 instructions for 16 sums, against 128 for 16 separate reductions). The
