@@ -5,8 +5,8 @@
 // and 16 query positions of every head in its group (up to 16 * G rows), so each key
 // and value row is loaded once for all of them; scores go 4 rows by 64 keys at a time
 // from a transposed block of keys, the softmax is the online (flash) one over blocks
-// of 64 keys, and tasks are dealt to the threads so that each gets an equal share of
-// the causal triangle. Registered under torch.ops.llm_cluster.
+// of 64 keys, and tasks are dealt to the threads so that each gets about an equal share
+// of the causal triangle. Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -144,7 +144,7 @@ void run_tasks(const Shape& s, const float* q, const float* k, int64_t k_stride,
   });
   const int64_t blocks = (s.n + kQueryBlock - 1) / kQueryBlock;
   // Later query blocks see more keys. Dealing them out longest first, round-robin over
-  // the threads, gives each thread an equal share of the triangle.
+  // the threads, gives each thread about an equal share of the triangle.
   std::vector<std::pair<int64_t, int64_t>> tasks;
   for (int64_t b = blocks - 1; b >= 0; --b)
     for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(h, b * kQueryBlock);
