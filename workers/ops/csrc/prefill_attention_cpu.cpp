@@ -78,7 +78,8 @@ void attend_block(const Shape& s, const float* q, const float* kt, const float* 
   const int64_t padded = (rows + kRowGroup - 1) / kRowGroup * kRowGroup;
   std::vector<float> qbuf(padded * D, 0.f), acc(padded * D, 0.f);
   std::vector<float> scores(padded * kKeyBlock);
-  std::vector<float> row_max(padded, -std::numeric_limits<float>::infinity()), row_sum(padded, 0.f);
+  std::vector<float> row_sum(padded, 0.f);
+  std::vector<float> row_max(padded, -std::numeric_limits<float>::infinity());
   // Row r = g * qn + i: query head h * group + g at position i0 + i, pre-scaled.
   for (int64_t g = 0; g < s.group; ++g)
     for (int64_t i = 0; i < qn; ++i) {
