@@ -30,16 +30,14 @@ def test_keys_round_to_a_scale_per_row():
     assert torch.allclose(round_keys(keys, 2)[0], torch.tensor([0.7, -0.0, 0.0, 0.0]))
 
 
-def test_oracle_over_rounded_keys_loses_a_key_below_the_step():
-    # One KV head of one query head; D = 2. Block 0's key leads on channel 1, which the
-    # 2-bit rounding (a level of 1.0 for a row whose largest value is 1.0) zeroes.
+def test_oracle_over_rounded_keys_chooses_by_the_rounded_mass():
+    # One KV head of one query head reading channel 1; D = 2. At 2 bits a row keeps only
+    # -max, 0 or +max: block 0's key [1, 0.45] becomes [1, 0] and loses its channel-1
+    # logit, while block 1's [0.4, 0.4] is exact.
     keys = torch.zeros(2, 1, 1, 2)
     keys[0, 0, 0] = torch.tensor([1.0, 0.45])
-    keys[1, 0, 0] = torch.tensor([1.0, 0.4])
+    keys[1, 0, 0] = torch.tensor([0.4, 0.4])
     q = torch.tensor([[0.0, 10.0]])
-    assert oracle_blocks(q, keys, 1).tolist() == [[0]]
-    # Rounded, both keys are [1, 0]: a tie, and the exact choice is no longer implied.
-    rounded = round_keys(keys, 2)
-    assert torch.equal(rounded[0], rounded[1])
-    keys[1, 0, 0] = torch.tensor([1.0, 0.6])   # now 0.6 rounds up to the level
-    assert oracle_blocks(q, keys, 1, key_bits=2).tolist() == [[1]]
+    assert oracle_blocks(q, keys, 1).tolist() == [[0]]               # 4.5 against 4.0
+    assert oracle_blocks(q, keys, 1, key_bits=2).tolist() == [[1]]   # 0 against 4.0
+    assert oracle_blocks(q, keys, 1, key_bits=8).tolist() == [[0]]   # 8 bits keep 0.45
