@@ -3,10 +3,14 @@
 // GFLOP/s here at a few hundred tokens, a third of two cores' fp32 peak, and it reads a
 // KV head's keys once for every query head of its group. A task here takes one KV head
 // and 16 query positions of every head in its group (up to 16 * G rows), so each key
-// and value row is loaded once for all of them; scores go 4 rows by 64 keys at a time
-// from a transposed block of keys, the softmax is the online (flash) one over blocks
-// of 64 keys, and tasks are dealt to the threads so that each gets about an equal share
-// of the causal triangle. Registered under torch.ops.llm_cluster.
+// and value row is loaded once for all of them; the softmax is the online (flash) one
+// over blocks of 64 keys, and tasks are dealt to the threads so that each gets about an
+// equal share of the causal triangle. Each block's keys are transposed once per call into
+// a contiguous [D][64] tile (a transposed row per head, L floats long, put a block's rows
+// L * 4 bytes apart: at L = 1024, 8192 or 32768 all in the same few cache sets). With
+// AVX-512, scores and value sums go 6 rows by 64 keys or columns at a time, 24
+// accumulators in registers, each key or value vector loaded once for the 6 rows.
+// Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,15 +27,71 @@ namespace {
 
 constexpr int64_t kQueryBlock = 16;  // query positions per task
 constexpr int64_t kKeyBlock = 64;    // keys per online-softmax step
+#if defined(__AVX512F__)
+constexpr int64_t kRowGroup = 6;     // rows computed together: 6 x 4 registers of 16
+constexpr int kLanes = 16;
+constexpr int kVectors = kKeyBlock / kLanes;  // registers per row and 64 keys or columns
+
+// x's value pinned in a register: the compiler would otherwise fold each use's load into
+// the FMA, loading the same vector once per row.
+inline __m512 in_register(__m512 x) {
+  asm("" : "+v"(x));
+  return x;
+}
+
+// acc[r][.] += a[r] * b[.] for the kRowGroup rows, a[r] = row_scalars[r * stride].
+inline void fma_rows(__m512 (&acc)[kRowGroup][kVectors], const float* row_scalars,
+                     int64_t stride, const float* b) {
+  __m512 bv[kVectors];
+#pragma GCC unroll 4
+  for (int c = 0; c < kVectors; ++c) bv[c] = in_register(_mm512_loadu_ps(b + c * kLanes));
+#pragma GCC unroll 6
+  for (int r = 0; r < kRowGroup; ++r) {
+    const __m512 a = _mm512_set1_ps(row_scalars[r * stride]);
+#pragma GCC unroll 4
+    for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_fmadd_ps(a, bv[c], acc[r][c]);
+  }
+}
+
+// s[r][j] = q[r] . kt[., j] for kRowGroup rows and kKeyBlock keys (kt: [D][kKeyBlock],
+// the block's keys transposed).
+template <int D>
+inline void score_rows(const float* q, const float* kt, float* s) {
+  __m512 acc[kRowGroup][kVectors];
+  for (auto& row : acc)
+    for (__m512& a : row) a = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) fma_rows(acc, q + d, D, kt + d * kKeyBlock);
+  for (int r = 0; r < kRowGroup; ++r)
+    for (int c = 0; c < kVectors; ++c)
+      _mm512_storeu_ps(s + r * kKeyBlock + c * kLanes, acc[r][c]);
+}
+
+// out[r] += p[r][.] . v for kRowGroup rows over `keys` value rows (v row stride vs),
+// 64 columns at a time.
+template <int D>
+inline void accumulate_rows(const float* p, const float* v, int64_t vs, int64_t keys,
+                            float* out) {
+  for (int c0 = 0; c0 < D; c0 += kVectors * kLanes) {
+    __m512 acc[kRowGroup][kVectors];
+    for (int r = 0; r < kRowGroup; ++r)
+      for (int c = 0; c < kVectors; ++c)
+        acc[r][c] = _mm512_loadu_ps(out + r * D + c0 + c * kLanes);
+    for (int64_t j = 0; j < keys; ++j) fma_rows(acc, p + j, kKeyBlock, v + j * vs + c0);
+    for (int r = 0; r < kRowGroup; ++r)
+      for (int c = 0; c < kVectors; ++c)
+        _mm512_storeu_ps(out + r * D + c0 + c * kLanes, acc[r][c]);
+  }
+}
+#else
 constexpr int64_t kRowGroup = 4;     // score rows computed together
 
-// s[r][j] = q[r] . kt[., j] for kRowGroup rows and kKeyBlock keys (kt: [D][ks], the
-// block's keys transposed, ks apart).
+// s[r][j] = q[r] . kt[., j] for kRowGroup rows and kKeyBlock keys (kt: [D][kKeyBlock],
+// the block's keys transposed).
 template <int D>
-inline void score_rows(const float* q, const float* kt, int64_t ks, float* s) {
+inline void score_rows(const float* q, const float* kt, float* s) {
   float acc[kRowGroup][kKeyBlock] = {};
   for (int d = 0; d < D; ++d) {
-    const float* k = kt + d * ks;
+    const float* k = kt + d * kKeyBlock;
     for (int r = 0; r < kRowGroup; ++r) {
       const float qd = q[r * D + d];
 #pragma omp simd
@@ -60,16 +120,17 @@ inline void accumulate_rows(const float* p, const float* v, int64_t vs, int64_t 
   for (int r = 0; r < kRowGroup; ++r)
     for (int d = 0; d < D; ++d) out[r * D + d] = acc[r][d];
 }
+#endif
 
 struct Shape {
   int64_t n, length, heads, kv_heads, group;
   int64_t q_stride, v_stride;  // row (token) strides
-  int64_t kt_stride;           // the transposed keys' row: length rounded up to kKeyBlock
+  int64_t key_blocks;          // ceil(length / kKeyBlock)
   float scale;
 };
 
 // One task: KV head h, query positions [i0, i0 + kQueryBlock); kt: every KV head's keys
-// transposed, [KVH][D][kt_stride], zero past the context.
+// transposed a block at a time, [KVH][key_blocks][D][kKeyBlock], zero past the context.
 template <int D>
 void attend_block(const Shape& s, const float* q, const float* kt, const float* v, float* out,
                   int64_t h, int64_t i0) {
@@ -91,9 +152,9 @@ void attend_block(const Shape& s, const float* q, const float* kt, const float* 
   const int64_t key_end = offset + i0 + qn;       // keys any row of the task sees
   for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock) {
     const int64_t kc = std::min(kKeyBlock, key_end - k0);
-    const float* block = kt + h * D * s.kt_stride + k0;
+    const float* tile = kt + (h * s.key_blocks + k0 / kKeyBlock) * D * kKeyBlock;
     for (int64_t r = 0; r < padded; r += kRowGroup)
-      score_rows<D>(qbuf.data() + r * D, block, s.kt_stride, scores.data() + r * kKeyBlock);
+      score_rows<D>(qbuf.data() + r * D, tile, scores.data() + r * kKeyBlock);
     const bool diagonal = k0 + kc > offset + i0;   // some row sees only part of the block
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = scores.data() + r * kKeyBlock;
@@ -103,8 +164,7 @@ void attend_block(const Shape& s, const float* q, const float* kt, const float* 
         std::fill(sr, sr + kKeyBlock, 0.f);
         continue;
       }
-      float m = row_max[r];
-      for (int64_t j = 0; j < visible; ++j) m = std::max(m, sr[j]);
+      const float m = max_of(sr, visible, row_max[r]);
       const float rescale = std::exp(row_max[r] - m);
       const float block_sum = exp_shift(sr, visible, m);
       std::fill(sr + visible, sr + kKeyBlock, 0.f);
@@ -131,16 +191,18 @@ void attend_block(const Shape& s, const float* q, const float* kt, const float* 
 template <int D>
 void run_tasks(const Shape& s, const float* q, const float* k, int64_t k_stride,
                const float* v, float* out) {
-  // Every task of a KV head reads the same keys: transposed once, each task's blocks of
-  // kKeyBlock keys are rows of kKeyBlock contiguous floats.
-  std::vector<float> kt(s.kv_heads * D * s.kt_stride, 0.f);
+  // Every task of a KV head reads the same keys: transposed once, a tile per block.
+  std::vector<float> kt(s.kv_heads * s.key_blocks * D * kKeyBlock, 0.f);
   // A short context's transposition is shorter than waking a thread.
-  const int64_t grain = s.length >= 256 ? 1 : s.kv_heads * D;
-  at::parallel_for(0, s.kv_heads * D, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t hd = begin; hd < end; ++hd) {
-      const int64_t h = hd / D, d = hd % D;
-      float* row = kt.data() + hd * s.kt_stride;
-      for (int64_t t = 0; t < s.length; ++t) row[t] = k[t * k_stride + h * D + d];
+  const int64_t tiles = s.kv_heads * s.key_blocks;
+  at::parallel_for(0, tiles, s.length >= 256 ? 1 : tiles, [&](int64_t begin, int64_t end) {
+    for (int64_t hb = begin; hb < end; ++hb) {
+      const int64_t h = hb / s.key_blocks, t0 = hb % s.key_blocks * kKeyBlock;
+      float* tile = kt.data() + hb * D * kKeyBlock;
+      for (int64_t t = 0; t < std::min(kKeyBlock, s.length - t0); ++t) {
+        const float* key = k + (t0 + t) * k_stride + h * D;
+        for (int d = 0; d < D; ++d) tile[d * kKeyBlock + t] = key[d];
+      }
     }
   });
   const int64_t blocks = (s.n + kQueryBlock - 1) / kQueryBlock;
@@ -173,9 +235,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == dim,
                 "prefill_attention: each token's heads must be contiguous");
   auto out = at::empty({n, heads, dim}, q.options());
-  const int64_t kt_stride = (length + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
   const Shape s{n, length, heads, kv_heads, heads / kv_heads, q.stride(0), v.stride(0),
-                kt_stride, static_cast<float>(scale)};
+                (length + kKeyBlock - 1) / kKeyBlock, static_cast<float>(scale)};
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   switch (dim) {
     case 64: run_tasks<64>(s, qp, kp, k.stride(0), vp, out.data_ptr<float>()); break;

@@ -138,6 +138,25 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+// The largest of m and x[0:n] (exact: the order of max operations does not matter).
+inline float max_of(const float* x, int64_t n, float m) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(vm);
+#elif defined(__AVX2__)
+  __m256 vm = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + i));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  m = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
 // x[0:n] = exp(x[0:n] - m) in place; returns the sum of the new values (a softmax's
 // numerators and their total, m the row's max).
 inline float exp_shift(float* x, int64_t n, float m) {
