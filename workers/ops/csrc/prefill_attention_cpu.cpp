@@ -8,8 +8,8 @@
 // equal share of the causal triangle. Each block's keys are transposed once per call into
 // a contiguous [D][64] tile (a transposed row per head, L floats long, put a block's rows
 // L * 4 bytes apart: at L = 1024, 8192 or 32768 all in the same few cache sets). With
-// AVX-512, scores and value sums go 6 rows by 64 keys or columns at a time, 24
-// accumulators in registers, each key or value vector loaded once for the 6 rows.
+// AVX-512 or AVX2, scores and value sums go 6 rows at a time through a tile of
+// accumulators held in registers, each key or value vector loaded once for the 6 rows.
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -27,59 +27,83 @@ namespace {
 
 constexpr int64_t kQueryBlock = 16;  // query positions per task
 constexpr int64_t kKeyBlock = 64;    // keys per online-softmax step
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// A register tile of kRowGroup rows x kVectors vectors: with AVX-512's 32 registers
+// 6 x 4 of 16 floats (24 accumulators), with AVX2's 16 registers 6 x 2 of 8 (12), leaving
+// room for the shared vectors and a broadcast.
 #if defined(__AVX512F__)
-constexpr int64_t kRowGroup = 6;     // rows computed together: 6 x 4 registers of 16
+using Vec = __m512;
 constexpr int kLanes = 16;
-constexpr int kVectors = kKeyBlock / kLanes;  // registers per row and 64 keys or columns
-
-// x's value pinned in a register: the compiler would otherwise fold each use's load into
-// the FMA, loading the same vector once per row.
-inline __m512 in_register(__m512 x) {
+constexpr int64_t kRowGroup = 6;
+constexpr int kVectors = 4;
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+// x's value pinned in a register (any of the 32): the compiler would otherwise fold each
+// use's load into the FMA, loading the same vector once per row.
+inline Vec in_register(Vec x) {
   asm("" : "+v"(x));
   return x;
 }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int64_t kRowGroup = 6;
+constexpr int kVectors = 2;
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, Vec x) { _mm256_storeu_ps(p, x); }
+inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec in_register(Vec x) {
+  asm("" : "+x"(x));
+  return x;
+}
+#endif
+constexpr int kTileWidth = kVectors * kLanes;  // keys or columns a tile covers
 
 // acc[r][.] += a[r] * b[.] for the kRowGroup rows, a[r] = row_scalars[r * stride].
-inline void fma_rows(__m512 (&acc)[kRowGroup][kVectors], const float* row_scalars,
+inline void fma_rows(Vec (&acc)[kRowGroup][kVectors], const float* row_scalars,
                      int64_t stride, const float* b) {
-  __m512 bv[kVectors];
+  Vec bv[kVectors];
 #pragma GCC unroll 4
-  for (int c = 0; c < kVectors; ++c) bv[c] = in_register(_mm512_loadu_ps(b + c * kLanes));
+  for (int c = 0; c < kVectors; ++c) bv[c] = in_register(load(b + c * kLanes));
 #pragma GCC unroll 6
   for (int r = 0; r < kRowGroup; ++r) {
-    const __m512 a = _mm512_set1_ps(row_scalars[r * stride]);
+    const Vec a = broadcast(row_scalars[r * stride]);
 #pragma GCC unroll 4
-    for (int c = 0; c < kVectors; ++c) acc[r][c] = _mm512_fmadd_ps(a, bv[c], acc[r][c]);
+    for (int c = 0; c < kVectors; ++c) acc[r][c] = fmadd(a, bv[c], acc[r][c]);
   }
 }
 
 // s[r][j] = q[r] . kt[., j] for kRowGroup rows and kKeyBlock keys (kt: [D][kKeyBlock],
-// the block's keys transposed).
+// the block's keys transposed), a tile's width of keys at a time.
 template <int D>
 inline void score_rows(const float* q, const float* kt, float* s) {
-  __m512 acc[kRowGroup][kVectors];
-  for (auto& row : acc)
-    for (__m512& a : row) a = _mm512_setzero_ps();
-  for (int d = 0; d < D; ++d) fma_rows(acc, q + d, D, kt + d * kKeyBlock);
-  for (int r = 0; r < kRowGroup; ++r)
-    for (int c = 0; c < kVectors; ++c)
-      _mm512_storeu_ps(s + r * kKeyBlock + c * kLanes, acc[r][c]);
+  for (int j0 = 0; j0 < kKeyBlock; j0 += kTileWidth) {
+    Vec acc[kRowGroup][kVectors];
+    for (auto& row : acc)
+      for (Vec& a : row) a = zero();
+    for (int d = 0; d < D; ++d) fma_rows(acc, q + d, D, kt + d * kKeyBlock + j0);
+    for (int r = 0; r < kRowGroup; ++r)
+      for (int c = 0; c < kVectors; ++c) store(s + r * kKeyBlock + j0 + c * kLanes, acc[r][c]);
+  }
 }
 
-// out[r] += p[r][.] . v for kRowGroup rows over `keys` value rows (v row stride vs),
-// 64 columns at a time.
+// out[r] += p[r][.] . v for kRowGroup rows over `keys` value rows (v row stride vs), a
+// tile's width of columns at a time.
 template <int D>
 inline void accumulate_rows(const float* p, const float* v, int64_t vs, int64_t keys,
                             float* out) {
-  for (int c0 = 0; c0 < D; c0 += kVectors * kLanes) {
-    __m512 acc[kRowGroup][kVectors];
+  for (int c0 = 0; c0 < D; c0 += kTileWidth) {
+    Vec acc[kRowGroup][kVectors];
     for (int r = 0; r < kRowGroup; ++r)
-      for (int c = 0; c < kVectors; ++c)
-        acc[r][c] = _mm512_loadu_ps(out + r * D + c0 + c * kLanes);
+      for (int c = 0; c < kVectors; ++c) acc[r][c] = load(out + r * D + c0 + c * kLanes);
     for (int64_t j = 0; j < keys; ++j) fma_rows(acc, p + j, kKeyBlock, v + j * vs + c0);
     for (int r = 0; r < kRowGroup; ++r)
-      for (int c = 0; c < kVectors; ++c)
-        _mm512_storeu_ps(out + r * D + c0 + c * kLanes, acc[r][c]);
+      for (int c = 0; c < kVectors; ++c) store(out + r * D + c0 + c * kLanes, acc[r][c]);
   }
 }
 #else
