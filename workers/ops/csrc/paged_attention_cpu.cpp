@@ -210,9 +210,7 @@ inline void accumulate(const float* p, const float* rows, int64_t stride, int64_
 // row[0:len] = exp(row[0:len] - max) in place; returns {max, sum of the new row}. The
 // normalisation waits for the merge of a context's pieces (decode_kernel).
 inline std::pair<float, float> exp_shifted(float* row, int64_t len) {
-  float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < len; ++i) mx = std::max(mx, row[i]);
+  const float mx = max_of(row, len, -INFINITY);
   return {mx, exp_shift(row, len, mx)};
 }
 
