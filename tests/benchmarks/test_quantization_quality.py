@@ -10,8 +10,9 @@ per-token int8, int8 KV) are one draw of a distribution: a rounding that flips e
 changes every later layer's input, so a relative change of 1e-6 in the embeddings (as
 another CPU's kernels make) moves them as much as most changes of method tried. Over
 eleven such draws of 1025 tokens (benchmarks/RESULTS.md, "The w8a8 quality test's
-flake"; ``--draws`` of the benchmark) w8a8 reached 94.2-95.3% / +0.4-1.2% and int8 KV
-97.9-98.9% / -0.07 to +0.07%; w8a16 (scales per 64 input columns) stayed at 97.37% /
+flake"; ``--draws`` of the benchmark) int8 KV reached 97.9-98.9% / -0.07 to +0.07%, and
+w8a8 94.2-95.3% / +0.4-1.2% with symmetric activations, 95.4-96.1% / +0.3-0.6% over five
+with asymmetric ones; w8a16 (scales per 64 input columns) stayed at 97.37% /
 +0.18-0.19% in every draw. The floors leave room for those spreads; over 513 tokens w8a8
 spread from 93.4% to 95.3%, too wide for a floor."""
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 FLOORS = {"fp32": (0.999, 0.001),
           "int8 KV": (0.97, 0.02),       # the issue's target
           "w8a16": (0.97, 0.02),         # the issue's target (group scales)
-          "w8a8": (0.935, 0.03)}         # target 0.97 not met: 94.2-95.3% / +0.4-1.2%
+          "w8a8": (0.945, 0.02)}         # target 0.97 not met: 95.4-96.1% / +0.3-0.6%
 
 
 def test_quantized_model_against_hf_fp32(default_model_path):

@@ -42,7 +42,7 @@ from tests.workers.test_worker import assert_handoff_continues_bit_exact
 from workers.loading import load_checkpoint
 from workers.models.calibration import activation_maxima, calibration_ids
 from workers.ops.cuda import CudaOps
-from workers.ops.quant_linear import quantize_rows, quantize_weight
+from workers.ops.quant_linear import quantize_activations, quantize_weight
 from workers.worker import Worker, WorkerSpec
 
 pytestmark = [pytest.mark.cuda,
@@ -108,14 +108,15 @@ def test_graph_decodes_equal_eager_decodes(tiny_factory):
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64])
 @pytest.mark.parametrize(("out", "inp"), [(96, 128), (128, 64), (1536, 576), (576, 1536)])
 def test_w8a8_products_on_cuda_are_exact_integer_sums(rows, out, inp):
-    """Rows padded to a size cuBLASLt's int8 product takes; the int32 sums equal float64
-    sums of the int8 products, which are exact at these sizes."""
+    """Rows padded to a size cuBLASLt's int8 product takes; the int32 sums less the zero
+    points' share equal float64 sums of the products of (int8 - zero point) and the int8
+    weights, which are exact at these sizes."""
     g = torch.Generator().manual_seed(rows)
     w = quantize_weight(torch.randn(out, inp, generator=g), "w8a8")
     x, bias = torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
     got = CudaOps(None).int8_linear(x.to(CUDA), _to_cuda(w), bias.to(CUDA)).cpu()
-    qx, sx = quantize_rows(x)
-    exact = (qx.double() @ w.qweight.double().T).float()
+    qx, sx, zx = quantize_activations(x)
+    exact = ((qx.double() - zx[:, None]) @ w.qweight.double().T).float()
     want = exact.mul_(sx[:, None]).mul_(w.scale).add_(bias)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.workers.test_quant_linear import asymmetric_int8
 from workers.loading.checkpoint import cache_root
 from workers.ops.cpu_kernels import CpuOps, load_cpu_kernels
 from workers.ops.linear_choice import (
@@ -180,7 +181,7 @@ def cpu_ops() -> CpuOps:
 @pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16", "fp16"])
 def test_every_candidate_and_the_choice_match_the_oracle(quantization):
     """fp32: ``x @ W.T + b`` in float64; int8 and fp16: the same with the weight as
-    stored (dequantized); w8a8 with per-token int8 activations, and the w8a16 kernel with
+    stored (dequantized); w8a8 with per-token asymmetric int8 activations, and the w8a16 kernel with
     per-row int16 ones (``csrc/packed_linear_cpu.cpp``). The choice computes what one of
     them does (to fp32 GEMM rounding: MKL's order of sums may change with alignment), and
     w8a8's two candidates give the same output bit for bit (the same exact int32 sums)."""
@@ -199,7 +200,7 @@ def test_every_candidate_and_the_choice_match_the_oracle(quantization):
         x = torch.randn(rows, 96, generator=g)
         runs = {c.name: c.run(x, c.pack(weight), b) for c in ops.linear_candidates(weight)}
         for name, got in runs.items():
-            x_eff = (_rounded(x, 127) if quantization == "w8a8" else
+            x_eff = (_asymmetric_rounded(x) if quantization == "w8a8" else
                      _rounded(x, 32767) if name == "int8-kernel" else x.double())
             want = x_eff @ w_eff.T + b.double()
             assert got.dtype == torch.float32 and got.shape == (rows, 80), name
@@ -215,6 +216,12 @@ def _rounded(x: torch.Tensor, qmax: int) -> torch.Tensor:
     """Per-row symmetric rounding to integers of at most ``qmax``, dequantized."""
     scale = x.abs().amax(dim=1, keepdim=True) / qmax
     return torch.round(x / scale).double() * scale.double()
+
+
+def _asymmetric_rounded(x: torch.Tensor) -> torch.Tensor:
+    """W8A8's per-row asymmetric int8 (``test_quant_linear``'s oracle), dequantized."""
+    q, scale = asymmetric_int8(x)
+    return q.double() * scale[:, None]
 
 
 def _int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """W8A8 dynamic linear layers on the torch_npu ops, through the fake torch_npu: the calls
 vllm-ascend's w8a8_dynamic method makes (``npu_dynamic_quant`` + ``npu_quant_matmul``
 on an [in, out] NZ weight), checked against the scheme's definition and, for whole
-generations, against the CPU w8a8 path."""
+generations, against the reference ops computing the same scheme: symmetric per-token
+activations, where the other devices' w8a8 is asymmetric."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from workers.ops import TorchOps, get_ops
+from workers.ops import TorchOps, get_ops, torch_ref
+from workers.ops.quant_linear import Int8Weight, quantize_rows
 
 CPU = torch.device("cpu")
 
@@ -21,8 +23,20 @@ def int8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(t / scale[:, None]).clamp(-127, 127), scale
 
 
+def symmetric_w8a8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None
+                          ) -> torch.Tensor:
+    """The reference ops' ``w8a8_linear`` with npu_dynamic_quant's symmetric per-token
+    activations: the NPU's scheme on the CPU."""
+    x2 = x.reshape(-1, x.shape[-1])
+    qx, sx = quantize_rows(x2)
+    out = torch._int_mm(qx, w.qweight_t).float().mul_(sx[:, None]).mul_(w.scale)
+    if bias is not None:
+        out.add_(bias)
+    return out.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_w8a8_linear_calls_dynamic_quant_then_quant_matmul(fake_npu, dtype):
+def test_w8a8_linear_calls_dynamic_quant_then_quant_matmul(fake_npu, monkeypatch, dtype):
     state = fake_npu(soc="Ascend910B3")
     ops = get_ops(CPU, "npu")
     g = torch.Generator().manual_seed(3)
@@ -45,7 +59,8 @@ def test_w8a8_linear_calls_dynamic_quant_then_quant_matmul(fake_npu, dtype):
     want = (qx @ qw.T) * sx[:, None] * sw[None, :] + bias.double()
     assert got.dtype == dtype and got.shape == (5, 48)
     torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max())
-    # The CPU reference computes the same scheme: equal up to the output's rounding.
+    # The CPU reference with symmetric activations: equal up to the output's rounding.
+    monkeypatch.setattr(torch_ref, "w8a8_linear", symmetric_w8a8_linear)
     ref = TorchOps()
     torch.testing.assert_close(got, ref.linear(x, ref.pack_linear(w, "w8a8"), bias))
 
@@ -60,9 +75,11 @@ def test_w8a8_is_refused_where_the_npu_ops_cannot_run_it(fake_npu):
 
 
 @pytest.mark.slow
-def test_greedy_w8a8_text_on_the_npu_ops_equals_the_cpu_w8a8_path(fake_npu, tiny_factory):
+def test_greedy_w8a8_text_on_the_npu_ops_equals_the_cpu_w8a8_path(fake_npu, tiny_factory,
+                                                                  monkeypatch):
     """fp16 compute (what npu_dynamic_quant takes), chunked prefill and several
-    sequences in a batch: the reference ops' w8a8 greedy tokens. The fake's fp16
+    sequences in a batch: the reference ops' w8a8 greedy tokens, with symmetric
+    activations as the NPU's. The fake's fp16
     attention rounds differently from the reference's, and per-token quantization turns
     such a rounding into a different int8 step, so a random tiny model's near-flat
     logits may part at a near tie: each sequence must agree until its first difference,
@@ -80,7 +97,9 @@ def test_greedy_w8a8_text_on_the_npu_ops_equals_the_cpu_w8a8_path(fake_npu, tiny
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [o.outputs[0] for o in outs]
 
-    want = run(LLM(tiny.path, ops="torch", **kw))
+    with monkeypatch.context() as patch:
+        patch.setattr(torch_ref, "w8a8_linear", symmetric_w8a8_linear)
+        want = run(LLM(tiny.path, ops="torch", **kw))
     state = fake_npu(soc="Ascend910B3")
     got = run(LLM(tiny.path, ops="npu", **kw))
     whole = 0

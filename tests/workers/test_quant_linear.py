@@ -1,6 +1,7 @@
 """Int8 linear layers against a dequantize-then-compute oracle written here: scales by
-their definition (amax / 127 per row), the integer product accumulated exactly in
-int64, and the fp32 product of the dequantized weight for w8a16."""
+their definition (weights: amax / 127 per row; W8A8's activations: the row's range with
+0 in it / 255, and a zero point), the integer product accumulated exactly in int64, and
+the fp32 product of the dequantized weight for w8a16."""
 
 from __future__ import annotations
 
@@ -27,6 +28,17 @@ def symmetric_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.long(), scale
 
 
+def asymmetric_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row asymmetric int8 by the definition, in float64: the dequantized rows
+    (q - zero) * scale, and the scale."""
+    t = t.double()
+    lo, hi = t.min(dim=1).values.clamp(max=0), t.max(dim=1).values.clamp(min=0)
+    scale = (hi - lo) / 255
+    zero = -128 - torch.round(lo / scale)
+    q = (torch.round(t / scale[:, None]) + zero[:, None]).clamp(-128, 127)
+    return (q - zero[:, None]).long(), scale
+
+
 def inputs(rows: int, seed: int, out: int = 80, inp: int = 96):
     g = torch.Generator().manual_seed(seed)
     # Rows of very different sizes: per-token and per-channel scales must both matter.
@@ -45,7 +57,7 @@ def test_w8a8_is_the_exact_int32_product_rescaled(ops, rows):
     int8 = TorchOps().pack_linear(w, "w8a8")
     assert torch.equal(int8.qweight.long(), qw)
     torch.testing.assert_close(int8.scale.double(), sw, rtol=1e-6, atol=0)
-    qx, sx = symmetric_int8(x)
+    qx, sx = asymmetric_int8(x)   # its int8 values less their zero point
     exact = (qx @ qw.T).double()  # int64: no rounding anywhere
     expected = exact * sx[:, None] * sw[None, :] + bias.double()
     got = ops.linear(x, packed, bias)
@@ -135,37 +147,42 @@ def test_a_worker_quantizes_its_decoder_layers_and_its_head_as_the_scheme_says(
 
 
 def test_the_fused_per_token_quantization_equals_the_torch_definition():
-    """The CPU ops' one-pass kernel gives quantize_rows' int8 values and scales bit for
-    bit: zero rows, values on a rounding tie (x / scale = k + 0.5), rows of any count."""
+    """The CPU ops' one-pass kernel gives quantize_activations' int8 values, scales and
+    zero points bit for bit: zero rows, rows of one sign, values on a rounding tie
+    (x / scale = k + 0.5), rows of any count."""
     all_ops()
-    from workers.ops.quant_linear import quantize_rows
+    from workers.ops.quant_linear import quantize_activations
 
     g = torch.Generator().manual_seed(9)
     x = torch.randn(37, 96, generator=g) * torch.logspace(-3, 3, 37)[:, None]
     x[4] = 0
-    x[5, :3] = torch.tensor([127.0, 0.5, -2.5])   # scale 1: ties at 0.5 and -2.5
-    x[5, 3:] = 0
-    q, s = torch.ops.llm_cluster.quantize_rows_int8(x)
-    want_q, want_s = quantize_rows(x)
-    assert torch.equal(q, want_q) and torch.equal(s, want_s)
-    assert q[5, :3].tolist() == [127, 0, -2]
+    x[5, :4] = torch.tensor([127.0, 0.5, -2.5, -128.0])   # scale 1, zero 0: ties at 0.5, -2.5
+    x[5, 4:] = 0
+    x[6] = x[6].abs()                                      # lo = 0: zero point -128
+    q, s, z = torch.ops.llm_cluster.quantize_rows_int8(x)
+    want_q, want_s, want_z = quantize_activations(x)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s) and torch.equal(z, want_z)
+    assert q[5, :4].tolist() == [127, 0, -2, -128] and s[5] == 1 and z[5] == 0
+    assert z[6] == -128 and q[6].max() == 127   # 0 at -128, the largest value at 127
+    assert s[4] == 1 and torch.equal(q[4].long() - z[4], torch.zeros(96, dtype=torch.long))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_fused_rescale_equals_the_torch_definition(with_bias):
     """The CPU ops' one-pass W8A8 rescale gives the reference ops' output bit for bit:
-    the int32 product times the row's, then the column's scale, the bias added after
-    that product is rounded (no fused multiply-add)."""
-    from workers.ops.quant_linear import quantize_rows
+    the int32 product less the zero point times the channel's weight sum, times the
+    row's, then the column's scale, the bias added after that product is rounded (no
+    fused multiply-add)."""
+    from workers.ops.quant_linear import quantize_activations
 
     all_ops()
     x, w, bias = inputs(37, seed=11)
     bias = bias if with_bias else None
     got = CpuOps().linear(x, CpuOps().pack_linear(w, "w8a8"), bias)
     int8 = TorchOps().pack_linear(w, "w8a8")
-    qx, sx = quantize_rows(x)
-    acc = (qx.long() @ int8.qweight.long().t()).to(torch.int32)   # exact
-    want = acc.float() * sx[:, None] * int8.scale
+    qx, sx, zx = quantize_activations(x)
+    exact = (qx.long() - zx[:, None]) @ int8.qweight.long().t()   # int64
+    want = exact.to(torch.int32).float() * sx[:, None] * int8.scale
     assert torch.equal(got, want + bias if with_bias else want)
     assert torch.equal(got, TorchOps().linear(x, int8, bias))
 
@@ -177,13 +194,17 @@ def test_the_fused_w8a8_mlp_is_the_unfused_ops_bit_for_bit():
     ops = all_ops()[1]
     g = torch.Generator().manual_seed(11)
     acc = torch.randint(-2**20, 2**20, (37, 2 * 200), dtype=torch.int32, generator=g)
-    acc[3] = 0
+    row_zero = torch.randint(-128, 128, (37,), dtype=torch.int32, generator=g)
+    col_sums = torch.randint(-2000, 2000, (400,), dtype=torch.int32, generator=g)
+    acc[3], row_zero[3] = 0, 0
     row_scale, col_scale = torch.rand(37, generator=g) * 1e-3, torch.rand(400, generator=g) * 1e-3
-    q, s = torch.ops.llm_cluster.dequantize_silu_mul_quantize(acc, row_scale, col_scale)
+    operands = (acc, row_scale, row_zero, col_scale, col_sums)
+    q, s, z = torch.ops.llm_cluster.dequantize_silu_mul_quantize(*operands)
     act = torch.ops.llm_cluster.silu_and_mul(
-        torch.ops.llm_cluster.dequantize_int32(acc, row_scale, col_scale, None))
-    want_q, want_s = torch.ops.llm_cluster.quantize_rows_int8(act)
-    assert torch.equal(q, want_q) and torch.equal(s, want_s) and s[3] == 1
+        torch.ops.llm_cluster.dequantize_int32(*operands, None))
+    want_q, want_s, want_z = torch.ops.llm_cluster.quantize_rows_int8(act)
+    assert torch.equal(q, want_q) and torch.equal(s, want_s) and torch.equal(z, want_z)
+    assert s[3] == 1
     gate_up = ops.pack_linear(torch.randn(2 * 96, 48, generator=g), "w8a8")
     down = ops.pack_linear(torch.randn(48, 96, generator=g), "w8a8")
     for rows in (1, 40):
@@ -237,10 +258,14 @@ def test_a_tile_kernel_product_is_the_exact_int32_product(kernel, rows, inp, out
                         amx=kernel == "int8-amx")
     assert torch.equal(int8_mm(qx, packed.data, out), want)
     row_scale, col_scale = torch.rand(rows, generator=g), torch.rand(out, generator=g)
+    row_zero = torch.randint(-128, 128, (rows,), dtype=torch.int32, generator=g)
     bias = torch.randn(out, generator=g)
     for b in (None, bias):   # the fused rescale: dequantize_int32 of the exact sums
-        assert torch.equal(w8a8_linear(qx, row_scale, packed.data, col_scale, b, out),
-                           torch.ops.llm_cluster.dequantize_int32(want, row_scale, col_scale, b))
+        assert torch.equal(
+            w8a8_linear(qx, row_scale, row_zero, packed.data, col_scale, packed.channel_sums,
+                        b, out),
+            torch.ops.llm_cluster.dequantize_int32(want, row_scale, row_zero, col_scale,
+                                                   packed.channel_sums, b))
 
 
 @pytest.mark.parametrize("kernel", TILE_KERNELS)

@@ -231,9 +231,11 @@ class CpuOps(TorchOps):
                 and gate_up.choice.kind == down.choice.kind == "w8a8"):
             return super().mlp(x, gate_up, down)
         gu, dn = gate_up.packed_for(x), down.packed_for(x)
-        qx, sx = torch.ops.llm_cluster.quantize_rows_int8(x.reshape(-1, x.shape[-1]).contiguous())
-        qh, sh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(*_int8_product(qx, sx, gu))
-        out = _rescaled_product(qh, sh, dn, None)
+        qx, sx, zx = torch.ops.llm_cluster.quantize_rows_int8(
+            x.reshape(-1, x.shape[-1]).contiguous())
+        qh, sh, zh = torch.ops.llm_cluster.dequantize_silu_mul_quantize(
+            *_int8_product(qx, sx, zx, gu))
+        out = _rescaled_product(qh, sh, zh, dn, None)
         return out.reshape(*x.shape[:-1], dn.out_features)
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -313,30 +315,32 @@ def _w8a8_fused_quant(x: torch.Tensor, weight: W8A8Weight,
     """``w8a8_linear`` with its per-token quantization and its rescale each in one C++
     pass, on any packing of the weight."""
     shape = x.shape
-    qx, sx = torch.ops.llm_cluster.quantize_rows_int8(
+    qx, sx, zx = torch.ops.llm_cluster.quantize_rows_int8(
         x.reshape(-1, shape[-1]).float().contiguous())
-    out = _rescaled_product(qx, sx, weight, bias)
+    out = _rescaled_product(qx, sx, zx, weight, bias)
     return out.to(x.dtype).reshape(*shape[:-1], weight.out_features)
 
 
-def _rescaled_product(qx: torch.Tensor, sx: torch.Tensor, weight: W8A8Weight,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8's output from quantized activations: the int32 product rescaled by
-    ``dequantize_int32``, which the tile kernels do as they make the sums."""
+def _rescaled_product(qx: torch.Tensor, sx: torch.Tensor, zx: torch.Tensor,
+                      weight: W8A8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8's output from quantized activations (scales ``sx``, zero points ``zx``): the
+    int32 product rescaled by ``dequantize_int32``, which the tile kernels do as they
+    make the sums."""
     if isinstance(weight, TiledInt8Weight):
-        return weight.linear(qx, sx, bias)
-    return torch.ops.llm_cluster.dequantize_int32(*_int8_product(qx, sx, weight), bias)
+        return weight.linear(qx, sx, zx, bias)
+    return torch.ops.llm_cluster.dequantize_int32(*_int8_product(qx, sx, zx, weight), bias)
 
 
-def _int8_product(qx: torch.Tensor, sx: torch.Tensor, weight: W8A8Weight
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W8A8's exact int32 product, with the row and the channel scales that rescale it."""
+def _int8_product(qx: torch.Tensor, sx: torch.Tensor, zx: torch.Tensor, weight: W8A8Weight
+                  ) -> tuple[torch.Tensor, ...]:
+    """W8A8's exact int32 product, with the rows' scales and zero points and the
+    channels' scales and weight sums that rescale it (``dequantize_int32``'s operands)."""
     if isinstance(weight, PackedWeight):
-        return (torch.ops.llm_cluster.int8_packed_mm(qx, weight.data, weight.out_features),
-                sx, weight.channel_scale)
+        sums = torch.ops.llm_cluster.int8_packed_mm(qx, weight.data, weight.out_features)
+        return sums, sx, zx, weight.channel_scale, weight.channel_sums
     if isinstance(weight, TiledInt8Weight):
-        return weight.sums(qx), sx, weight.channel_scale
-    return torch._int_mm(qx, weight.qweight_t), sx, weight.scale
+        return weight.sums(qx), sx, zx, weight.channel_scale, weight.channel_sums
+    return torch._int_mm(qx, weight.qweight_t), sx, zx, weight.scale, weight.channel_sums
 
 
 def cpu_ops(backend: str) -> TorchOps:

@@ -24,6 +24,9 @@ sites:
   takes the int8 weight transposed to [in, out] and cast to NZ once at load, with the
   float32 per-output-channel scales. ``npu_dynamic_quant`` takes float16/bfloat16 only,
   and 310P's ``npu_quant_matmul`` has no per-token scale, so both are refused at load.
+  Its activations are symmetric, as the reference deployment's are, where the other
+  devices' are asymmetric (``quant_linear.quantize_activations``): the same int8 weights,
+  a coarser rounding of the activations.
 
 310P devices (``get_device_name`` names them) get the fractal NZ KV layout, allocated
 with ``empty_with_format(..., acl_format=29)``. Sparse (per-KV-head) decode tables have

@@ -30,12 +30,14 @@ TILE_K = 64          # inputs per tile of a tiled weight
 @dataclass(frozen=True)
 class PackedWeight:
     """``data``: the packed int8 or fp16 weight; ``scale`` (int8 only): fp32 [padded out,
-    groups], zero for padding channels; the logical shape is [out_features, in_features]."""
+    groups], zero for padding channels; the logical shape is [out_features, in_features];
+    ``channel_sums`` (w8a8): ``Int8Weight.channel_sums``."""
 
     data: torch.Tensor
     scale: torch.Tensor | None
     out_features: int
     in_features: int
+    channel_sums: torch.Tensor | None = None
 
     @property
     def channel_scale(self) -> torch.Tensor:
@@ -71,7 +73,8 @@ def pack_int8(weight: Int8Weight) -> PackedWeight:
     out, inp = weight.qweight.shape
     scale = weight.scale.reshape(out, -1)
     return PackedWeight(pack_rows(weight.qweight, INT8_COLS),
-                        F.pad(scale, (0, 0, 0, -out % BLOCK)).contiguous(), out, inp)
+                        F.pad(scale, (0, 0, 0, -out % BLOCK)).contiguous(), out, inp,
+                        weight.channel_sums)
 
 
 def pack_half(weight: torch.Tensor) -> PackedWeight:
@@ -85,10 +88,11 @@ class TiledInt8Weight:
     (``csrc/amx_int8_cpu.cpp``, ``csrc/vnni_int8_cpu.cpp``; the layout in
     ``csrc/int8_tiles.h``): ``data`` int8 [ceil(out / 16), in / 64, 16, 64], zero-padded
     channels, offset by 128 for VNNI, whose unsigned operand it is; fp32
-    ``channel_scale`` [out]."""
+    ``channel_scale`` [out] and int32 ``channel_sums`` [out] (``Int8Weight``'s)."""
 
     data: torch.Tensor
     channel_scale: torch.Tensor
+    channel_sums: torch.Tensor
     out_features: int
     amx: bool
 
@@ -97,13 +101,14 @@ class TiledInt8Weight:
         op = torch.ops.llm_cluster.amx_int8_mm if self.amx else torch.ops.llm_cluster.vnni_int8_mm
         return op(qx, self.data, self.out_features)
 
-    def linear(self, qx: torch.Tensor, sx: torch.Tensor,
+    def linear(self, qx: torch.Tensor, sx: torch.Tensor, zx: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
-        """That product rescaled by ``sx`` [rows] and the channel scales, as
-        ``dequantize_int32`` does, inside the kernel."""
+        """That product rescaled by the rows' scales ``sx`` and zero points ``zx`` and the
+        channels' scales and sums, as ``dequantize_int32`` does, inside the kernel."""
         op = (torch.ops.llm_cluster.amx_w8a8_linear if self.amx
               else torch.ops.llm_cluster.vnni_w8a8_linear)
-        return op(qx, sx, self.data, self.channel_scale, bias, self.out_features)
+        return op(qx, sx, zx, self.data, self.channel_scale, self.channel_sums, bias,
+                  self.out_features)
 
 
 def packs_tiles(weight: Int8Weight) -> bool:
@@ -118,7 +123,8 @@ def pack_tiles(weight: Int8Weight, amx: bool) -> TiledInt8Weight:
     tiles = padded.reshape(-1, TILE_CHANNELS, inp // TILE_K, TILE_K // 4, 4)  # [j, c, kk, r, i]
     data = tiles.permute(0, 2, 3, 1, 4).reshape(-1, inp // TILE_K, TILE_K // 4,
                                                  TILE_CHANNELS * 4)
-    return TiledInt8Weight((data if amx else data ^ -128).contiguous(), weight.scale, out, amx)
+    return TiledInt8Weight((data if amx else data ^ -128).contiguous(), weight.scale,
+                           weight.channel_sums, out, amx)
 
 
 def run_int8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

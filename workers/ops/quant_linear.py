@@ -2,9 +2,15 @@
 
 Weights are int8 with one symmetric scale per output channel, ``W ~= q * scale[:, None]``
 (what compressed-tensors' ``int8`` ``channel`` strategy stores). W8A8 also quantizes
-each call's activations per token, ``x ~= qx * sx[:, None]``, so ``x @ W.T ~=
-(qx @ q.T) * sx[:, None] * scale[None, :]`` with the product accumulated exactly in
-int32 by ``torch._int_mm`` (oneDNN's VNNI kernels on x86). torch's dynamic-quantized
+each call's activations per token, asymmetrically: ``x ~= (qx - zx[:, None]) *
+sx[:, None]`` with an integer zero point per row (``quantize_activations``), which spends
+all 256 levels on the row's range where a symmetric scale wastes half of them on one
+sign (on the default model: top-1 agreement with HF fp32 +1.3 points, perplexity
+increase halved; benchmarks/RESULTS.md). So ``x @ W.T ~= (qx @ q.T - zx[:, None] *
+q.sum(1)[None, :]) * sx[:, None] * scale[None, :]``: the product accumulated exactly in
+int32 by ``torch._int_mm`` (oneDNN's VNNI kernels on x86) and the zero point's share
+taken off in int32, exactly, with each channel's weight sum kept from load
+(vLLM's "azp" form). torch's dynamic-quantized
 linear (FBGEMM/oneDNN) was measured too but quantizes activations per tensor, not per
 token; ``_weight_int8pack_mm`` ran 10-100x slower than fp32 here (benchmarks/RESULTS.md).
 w8a16 keeps 16-bit activations: the reference dequantizes blocks of rows into the
@@ -49,12 +55,15 @@ class Int8Weight:
     """A linear layer's int8 weight [out, in] and fp32 scales, [out] (per channel) or
     [out, in / group] (w8a16 groups of input columns); ``scheme`` is ``w8a8`` or
     ``w8a16``. ``qweight_t`` (w8a8) is the [in, out] layout ``_int_mm`` reads, and
-    ``qweight`` then a transposed view of it, not a second copy."""
+    ``qweight`` then a transposed view of it, not a second copy; ``channel_sums`` (w8a8)
+    each output channel's sum of its int8 weights, int32 [out], for the activations'
+    zero points."""
 
     scheme: str
     qweight: torch.Tensor
     scale: torch.Tensor
     qweight_t: torch.Tensor | None = None
+    channel_sums: torch.Tensor | None = None
 
     @classmethod
     def from_int8(cls, scheme: str, qweight: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
@@ -73,7 +82,7 @@ class Int8Weight:
         scale = scale.reshape(out, groups) if groups > 1 else scale.reshape(out)
         if scheme == "w8a8":   # one copy in memory: the layout _int_mm reads, and a view
             qt = qweight.t().contiguous()
-            return cls(scheme, qt.t(), scale.contiguous(), qt)
+            return cls(scheme, qt.t(), scale.contiguous(), qt, qweight.sum(1, dtype=torch.int32))
         return cls(scheme, qweight.contiguous(), scale.contiguous())
 
     @property
@@ -102,12 +111,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W8A8's per-token int8 of a 2-D tensor, asymmetric: each row's range [lo, hi] =
+    [min(x, 0), max(x, 0)] in 255 steps of ``scale`` (1 for an all-zero row), the zero
+    point ``zero = -128 - round(lo / scale)`` (in [-128, 127]), ``q = round(x / scale) +
+    zero`` clamped to int8 (rounding half to even), so ``x ~= (q - zero) * scale``.
+    Returns (q int8, scale fp32 [rows], zero int32 [rows]). Keeping 0 in the range keeps
+    the zero point in int8's range, so ``(q - zero) @ w`` fits int32 for any width up to
+    2^31 / (255 * 127) = 66,000."""
+    xf = x.float()
+    lo = xf.amin(dim=1).clamp(max=0)
+    hi = xf.amax(dim=1).clamp(min=0)
+    scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
+    zero = -128 - torch.round(lo / scale)
+    q = (torch.round(xf / scale[:, None]) + zero[:, None]).clamp_(-128, 127).to(torch.int8)
+    return q, scale, zero.to(torch.int32)
+
+
 def w8a8_linear(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``x`` quantized per token and an exact int32 product."""
+    """``x @ W.T + bias`` with ``x`` quantized per token (``quantize_activations``), an
+    exact int32 product, the zero points' share taken off in int32, then the scales."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    qx, sx = quantize_rows(x2)
-    acc = torch._int_mm(qx, w.qweight_t)
+    qx, sx, zx = quantize_activations(x2)
+    acc = torch._int_mm(qx, w.qweight_t) - zx[:, None] * w.channel_sums
     out = acc.float().mul_(sx[:, None]).mul_(w.scale)
     if bias is not None:
         out.add_(bias)

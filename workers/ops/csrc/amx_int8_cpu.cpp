@@ -184,8 +184,8 @@ struct Amx {
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("amx_int8_available() -> bool", &amx_int8_available);
   m.def("amx_int8_mm(Tensor qx, Tensor packed, int out_ch) -> Tensor");
-  m.def("amx_w8a8_linear(Tensor qx, Tensor row_scale, Tensor packed, Tensor col_scale, "
-        "Tensor? bias, int out_ch) -> Tensor");
+  m.def("amx_w8a8_linear(Tensor qx, Tensor row_scale, Tensor row_zero, Tensor packed, "
+        "Tensor col_scale, Tensor col_sums, Tensor? bias, int out_ch) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "vec_math.h"
+#include "w8a8_operands.h"
 
 constexpr int64_t kTileChannels = 16;  // output channels per packed block
 constexpr int64_t kTileK = 64;         // inputs per packed tile
@@ -63,28 +64,23 @@ struct TiledInt8Ops {
   // rescales them (vec_math.h's rescale_row), bit for bit, while they are in L1: no int32
   // [rows, out_ch] in memory and no second op.
   static at::Tensor w8a8_linear(const at::Tensor& qx, const at::Tensor& row_scale,
-                                const at::Tensor& packed, const at::Tensor& col_scale,
+                                const at::Tensor& row_zero, const at::Tensor& packed,
+                                const at::Tensor& col_scale, const at::Tensor& col_sums,
                                 const c10::optional<at::Tensor>& bias, int64_t out_ch) {
     const std::string op = std::string(Kernel::kName) + "_w8a8_linear";
     check(qx, packed, out_ch, op);
-    TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
-                    row_scale.numel() == qx.size(0) && col_scale.scalar_type() == at::kFloat &&
-                    col_scale.is_contiguous() && col_scale.numel() == out_ch,
-                op, ": row_scale [rows] and col_scale [out] must be contiguous fp32");
-    const float* bp = nullptr;
-    if (bias.has_value()) {
-      TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                      bias->numel() == out_ch,
-                  op, ": bias must be contiguous float32 [out]");
-      bp = bias->data_ptr<float>();
-    }
+    check_row_scales(row_scale, row_zero, qx.size(0), op.c_str());
+    check_col_scales(col_scale, col_sums, out_ch, op.c_str());
+    const float* bp = checked_bias(bias, out_ch, op.c_str());
     auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kFloat));
-    const float* rp = row_scale.data_ptr<float>();
-    const float* cp = col_scale.data_ptr<float>();
+    const float* rs = row_scale.data_ptr<float>();
+    const int32_t* rz = row_zero.data_ptr<int32_t>();
+    const float* cs = col_scale.data_ptr<float>();
+    const int32_t* ws = col_sums.data_ptr<int32_t>();
     float* o = out.data_ptr<float>();
     Kernel::product(qx, packed, [&](int64_t r, int64_t c0, const int32_t* sums, int64_t n) {
-      rescale_row(sums, rp[r], cp + c0, bp ? bp + c0 : nullptr, std::min(n, out_ch - c0),
-                  o + r * out_ch + c0);
+      rescale_row(sums, rz[r], ws + c0, rs[r], cs + c0, bp ? bp + c0 : nullptr,
+                  std::min(n, out_ch - c0), o + r * out_ch + c0);
     });
     return out;
   }

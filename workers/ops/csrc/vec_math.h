@@ -253,13 +253,15 @@ inline __m512 add_epi32(__m512 a, __m512 b) {
 }
 #endif
 
-// W8A8's rescale of one row of its int32 product: out[c] = float(acc[c]) * rs * cs[c],
-// then + bias[c] when bias is set, in a second loop over the row (still in cache) so
-// the product is rounded before the add, as the torch ops round it (no FMA).
-inline void rescale_row(const int32_t* acc, float rs, const float* cs, const float* bias,
-                        int64_t n, float* out) {
+// W8A8's rescale of one row of its int32 product: out[c] = float(acc[c] - z * ws[c]) *
+// rs * cs[c], then + bias[c] when bias is set, in a second loop over the row (still in
+// cache) so the product is rounded before the add, as the torch ops round it (no FMA).
+// z is the row's zero point and ws[c] channel c's weight sum (quant_linear.w8a8_linear):
+// the correction is exact integer arithmetic.
+inline void rescale_row(const int32_t* acc, int32_t z, const int32_t* ws, float rs,
+                        const float* cs, const float* bias, int64_t n, float* out) {
 #pragma omp simd
-  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(acc[c]) * rs * cs[c];
+  for (int64_t c = 0; c < n; ++c) out[c] = static_cast<float>(acc[c] - z * ws[c]) * rs * cs[c];
   if (bias != nullptr) {
 #pragma omp simd
     for (int64_t c = 0; c < n; ++c) out[c] += bias[c];
@@ -283,8 +285,8 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 
 // One row's symmetric quantization to integers of magnitude at most `qmax`: scale =
 // amax / qmax (1 for an all-zero row), q = round-half-even(x / scale), clamped; returns
-// the scale. W8A8's per-token int8 (quant_linear.quantize_rows defines it) and the
-// w8a16 kernel's int16 activation rows.
+// the scale. The w8a16 kernel's int16 activation rows, and the int16 query rows of the
+// int8-KV decode attention.
 template <typename Q>
 inline float quantize_row(const float* xr, int64_t cols, float qmax, Q* qr) {
   float amax = 0.f;
@@ -295,5 +297,26 @@ inline float quantize_row(const float* xr, int64_t cols, float qmax, Q* qr) {
     const float v = std::nearbyint(xr[k] / s);
     qr[k] = static_cast<Q>(std::min(qmax, std::max(-qmax, v)));
   }
+  return s;
+}
+
+// W8A8's per-token int8 of one row, asymmetric, as quant_linear.quantize_activations
+// defines it: the range [min(x, 0), max(x, 0)] in 255 steps of s (1 for an all-zero
+// row), the zero point z = -128 - round(lo / s), q = round-half-even(x / s) + z clamped
+// to int8; returns s and writes z.
+inline float quantize_row_asymmetric(const float* xr, int64_t cols, int8_t* qr, int32_t* z) {
+  float lo = 0.f, hi = 0.f;
+#pragma omp simd reduction(min : lo) reduction(max : hi)
+  for (int64_t k = 0; k < cols; ++k) {
+    lo = std::min(lo, xr[k]);
+    hi = std::max(hi, xr[k]);
+  }
+  const float s = hi > lo ? (hi - lo) / 255.f : 1.f;
+  const float zero = -128.f - std::nearbyint(lo / s);
+  for (int64_t k = 0; k < cols; ++k) {
+    const float v = std::nearbyint(xr[k] / s) + zero;
+    qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-128.f, v)));
+  }
+  *z = static_cast<int32_t>(zero);
   return s;
 }

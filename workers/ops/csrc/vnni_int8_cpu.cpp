@@ -145,8 +145,8 @@ struct Vnni {
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("vnni_int8_available() -> bool", &vnni_int8_available);
   m.def("vnni_int8_mm(Tensor qx, Tensor packed, int out_ch) -> Tensor");
-  m.def("vnni_w8a8_linear(Tensor qx, Tensor row_scale, Tensor packed, Tensor col_scale, "
-        "Tensor? bias, int out_ch) -> Tensor");
+  m.def("vnni_w8a8_linear(Tensor qx, Tensor row_scale, Tensor row_zero, Tensor packed, "
+        "Tensor col_scale, Tensor col_sums, Tensor? bias, int out_ch) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
