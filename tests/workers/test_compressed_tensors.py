@@ -94,3 +94,25 @@ def test_an_unsupported_scheme_is_refused_naming_it(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"weights: got \{'strategy': 'tensor'\}; supported: "
                                          "compressed-tensors int-quantized W8A8"):
         load_checkpoint(str(bad))
+
+
+def _with_activations(checkpoint: str, directory: Path, **settings) -> str:
+    """A copy of ``checkpoint`` whose input activations' settings are changed."""
+    shutil.copytree(checkpoint, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] |= settings
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_activations_declared_asymmetric_load_like_symmetric_ones(checkpoints, tmp_path):
+    """vLLM's "azp" checkpoints: the engine quantizes activations at run time its own way,
+    so ``symmetric: false`` loads the same weights; static activation scales do not."""
+    asymmetric = load_checkpoint(_with_activations(checkpoints[0], tmp_path / "azp",
+                                                   symmetric=False))
+    symmetric = load_checkpoint(checkpoints[0])
+    assert asymmetric.weights.keys() == symmetric.weights.keys()
+    assert all(torch.equal(asymmetric.weights[k], t) for k, t in symmetric.weights.items())
+    static = _with_activations(checkpoints[0], tmp_path / "static", dynamic=False)
+    with pytest.raises(ValueError, match=r"input_activations: got \{'dynamic': False\}"):
+        load_checkpoint(static)

@@ -2,7 +2,9 @@
 them: ``config.json``'s ``quantization_config`` has ``quant_method``
 ``compressed-tensors``, format ``int-quantized``, and a config group whose weights are
 int8, symmetric, one scale per output channel (``strategy: channel``) and whose input
-activations are int8, symmetric, dynamic per token. Each quantized linear layer stores
+activations are int8, dynamic per token, symmetric or not: the engine quantizes them at
+run time its own way (``quant_linear.quantize_activations``: asymmetric, except on the
+NPU), so either checkpoint runs the same. Each quantized linear layer stores
 ``<name>.weight`` as int8 [out, in] and ``<name>.weight_scale`` [out, 1]; modules named
 in ``ignore`` (usually ``lm_head``) keep fp weights. The int8 tensors are kept as they
 are (the decoder uses them directly); nothing passes through fp32.
@@ -15,10 +17,9 @@ from typing import Any
 
 FORMATS = ("int-quantized",)
 _SUPPORTED = ("compressed-tensors int-quantized W8A8: int8 symmetric weights per channel, "
-              "dynamic int8 symmetric activations per token")
+              "dynamic int8 activations per token")
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
-_ACTIVATIONS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
-                "dynamic": True}
+_ACTIVATIONS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
 
 
 def int8_ignored(quant_config: dict[str, Any] | None) -> list[str] | None:
