@@ -4,9 +4,11 @@ Weights are int8 with one symmetric scale per output channel, ``W ~= q * scale[:
 (what compressed-tensors' ``int8`` ``channel`` strategy stores). W8A8 also quantizes
 each call's activations per token, asymmetrically: ``x ~= (qx - zx[:, None]) *
 sx[:, None]`` with an integer zero point per row (``quantize_activations``), which spends
-all 256 levels on the row's range where a symmetric scale wastes half of them on one
-sign (on the default model: top-1 agreement with HF fp32 +1.3 points, perplexity
-increase halved; benchmarks/RESULTS.md). So ``x @ W.T ~= (qx @ q.T - zx[:, None] *
+all 256 levels on the row's own range, where a symmetric scale spans [-max|x|, max|x|]
+and leaves the levels past the row's smaller side unused (on the default model: top-1
+agreement with HF fp32 about a point higher, perplexity increase halved;
+benchmarks/RESULTS.md; the NPU keeps ``npu_dynamic_quant``'s symmetric activations, see
+``npu.py``). So ``x @ W.T ~= (qx @ q.T - zx[:, None] *
 q.sum(1)[None, :]) * sx[:, None] * scale[None, :]``: the product accumulated exactly in
 int32 by ``torch._int_mm`` (oneDNN's VNNI kernels on x86) and the zero point's share
 taken off in int32, exactly, with each channel's weight sum kept from load
