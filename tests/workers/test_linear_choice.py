@@ -181,10 +181,11 @@ def cpu_ops() -> CpuOps:
 @pytest.mark.parametrize("quantization", ["none", "w8a8", "w8a16", "fp16"])
 def test_every_candidate_and_the_choice_match_the_oracle(quantization):
     """fp32: ``x @ W.T + b`` in float64; int8 and fp16: the same with the weight as
-    stored (dequantized); w8a8 with per-token asymmetric int8 activations, and the w8a16 kernel with
-    per-row int16 ones (``csrc/packed_linear_cpu.cpp``). The choice computes what one of
-    them does (to fp32 GEMM rounding: MKL's order of sums may change with alignment), and
-    w8a8's two candidates give the same output bit for bit (the same exact int32 sums)."""
+    stored (dequantized); w8a8 with per-token asymmetric int8 activations, and the w8a16
+    kernel with per-row int16 ones (``csrc/packed_linear_cpu.cpp``). The choice computes
+    what one of them does (to fp32 GEMM rounding: MKL's order of sums may change with
+    alignment), and w8a8's two candidates give the same output bit for bit (the same
+    exact int32 sums)."""
     ops = cpu_ops()
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
