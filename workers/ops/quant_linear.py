@@ -122,8 +122,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     the zero point in int8's range, so ``(q - zero) @ w`` fits int32 for any width up to
     2^31 / (255 * 127) = 66,000."""
     xf = x.float()
-    lo = xf.amin(dim=1).clamp(max=0)
-    hi = xf.amax(dim=1).clamp(min=0)
+    lo, hi = torch.aminmax(xf, dim=1)
+    lo, hi = lo.clamp(max=0), hi.clamp(min=0)
     scale = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
     zero = -128 - torch.round(lo / scale)
     q = (torch.round(xf / scale[:, None]) + zero[:, None]).clamp_(-128, 127).to(torch.int8)

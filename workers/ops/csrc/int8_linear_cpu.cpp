@@ -33,8 +33,8 @@ Rescale check_rescale(const at::Tensor& acc, const at::Tensor& row_scale,
                       const at::Tensor& col_sums, const char* name) {
   TORCH_CHECK(acc.scalar_type() == at::kInt && acc.dim() == 2 && acc.is_contiguous(), name,
               ": acc must be contiguous int32 [rows, cols]");
-  check_row_scales(row_scale, row_zero, acc.size(0), name);
-  check_col_scales(col_scale, col_sums, acc.size(1), name);
+  check_scales(row_scale, "row_scale", row_zero, "row_zero", acc.size(0), name);
+  check_scales(col_scale, "col_scale", col_sums, "col_sums", acc.size(1), name);
   return {row_scale.data_ptr<float>(), row_zero.data_ptr<int32_t>(),
           col_scale.data_ptr<float>(), col_sums.data_ptr<int32_t>()};
 }

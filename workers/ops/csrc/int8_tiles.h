@@ -69,8 +69,8 @@ struct TiledInt8Ops {
                                 const c10::optional<at::Tensor>& bias, int64_t out_ch) {
     const std::string op = std::string(Kernel::kName) + "_w8a8_linear";
     check(qx, packed, out_ch, op);
-    check_row_scales(row_scale, row_zero, qx.size(0), op.c_str());
-    check_col_scales(col_scale, col_sums, out_ch, op.c_str());
+    check_scales(row_scale, "row_scale", row_zero, "row_zero", qx.size(0), op.c_str());
+    check_scales(col_scale, "col_scale", col_sums, "col_sums", out_ch, op.c_str());
     const float* bp = checked_bias(bias, out_ch, op.c_str());
     auto out = at::empty({qx.size(0), out_ch}, qx.options().dtype(at::kFloat));
     const float* rs = row_scale.data_ptr<float>();

@@ -8,20 +8,16 @@
 
 #include <cstdint>
 
-inline void check_row_scales(const at::Tensor& row_scale, const at::Tensor& row_zero,
-                             int64_t rows, const char* name) {
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous() &&
-                  row_scale.numel() == rows && row_zero.scalar_type() == at::kInt &&
-                  row_zero.is_contiguous() && row_zero.numel() == rows,
-              name, ": row_scale must be contiguous float32 and row_zero int32, [", rows, "]");
-}
-
-inline void check_col_scales(const at::Tensor& col_scale, const at::Tensor& col_sums,
-                             int64_t cols, const char* name) {
-  TORCH_CHECK(col_scale.scalar_type() == at::kFloat && col_scale.is_contiguous() &&
-                  col_scale.numel() == cols && col_sums.scalar_type() == at::kInt &&
-                  col_sums.is_contiguous() && col_sums.numel() == cols,
-              name, ": col_scale must be contiguous float32 and col_sums int32, [", cols, "]");
+// A float32 scale and its int32 companion, n of each: a row's scale and zero point, or
+// an output channel's scale and weight sum.
+inline void check_scales(const at::Tensor& scale, const char* scale_name,
+                         const at::Tensor& ints, const char* ints_name, int64_t n,
+                         const char* name) {
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == n && ints.scalar_type() == at::kInt &&
+                  ints.is_contiguous() && ints.numel() == n,
+              name, ": ", scale_name, " must be contiguous float32 and ", ints_name,
+              " int32, [", n, "]");
 }
 
 // The bias's data, or nullptr without one.
