@@ -10,7 +10,13 @@ the pages alive after the owner dies, so a copy in progress finishes on intact m
 
 Pages are faulted in at creation (the first handoff into a fresh pool would otherwise pay
 a fault per page) and backed by huge pages where the system has them: hugetlbfs pages
-if any are reserved, else transparent huge pages if shared memory may use them.
+if any are reserved and this process may fault them in, else transparent huge pages if
+shared memory may use them. A node can reserve huge pages that a container's cgroup
+does not let it use (Kubernetes sets a pod's hugetlb limit to 0 unless it requests
+``hugepages-2Mi``): mapping them succeeds and faulting them fails, which
+``MADV_POPULATE_WRITE`` reports as an error, so such a segment falls back to small
+pages. Without that advice (Linux < 5.14) the same fault would be a SIGBUS, so there
+hugetlbfs is not tried at all.
 """
 
 from __future__ import annotations
@@ -54,19 +60,21 @@ class SharedSegment:
             raise ValueError(f"shared segment size: got {nbytes} bytes; expected > 0")
         self.huge_pages = False
         if hasattr(os, "MFD_HUGETLB"):
-            # hugetlbfs reserves the pages at mmap, so too few fail here, not later; its
-            # files are whole pages, so the segment grows to the next one (the tail unused)
+            # hugetlbfs files are whole pages, so the segment grows to the next one (the
+            # tail unused)
             whole = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
             try:
                 self.fd, self.buffer = _map_new(name, whole, os.MFD_HUGETLB)
-                self.huge_pages, nbytes = True, whole
-            except OSError:
+            except OSError:   # too few pages reserved: refused at mmap
                 pass
+            else:
+                self.huge_pages = _populate_huge(self.fd, self.buffer)
+                nbytes = whole if self.huge_pages else nbytes
         if not self.huge_pages:
             self.fd, self.buffer = _map_new(name, nbytes, 0)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 self.buffer.madvise(mmap.MADV_HUGEPAGE)   # a no-op where shmem THP is off
-        _prefault(self.buffer)
+            _prefault(self.buffer)
         self.handle = SegmentHandle(os.getpid(), self.fd, os.fstat(self.fd).st_ino, nbytes)
 
     def close(self) -> None:
@@ -83,6 +91,18 @@ def _map_new(name: str, nbytes: int, flags: int) -> tuple[int, mmap.mmap]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _populate_huge(fd: int, buf: mmap.mmap) -> bool:
+    """Fault in a hugetlbfs mapping; False (and the mapping closed) where a fault is
+    refused or could not be refused without a SIGBUS (module docstring)."""
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE)
+        return True
+    except OSError:
+        buf.close()
+        os.close(fd)
+        return False
 
 
 def _prefault(buf: mmap.mmap) -> None:

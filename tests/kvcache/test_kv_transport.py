@@ -356,11 +356,17 @@ def _free_huge_pages() -> int:
     return int(text.split("HugePages_Free:")[1].split()[0]) if "HugePages_Free:" in text else 0
 
 
-@pytest.mark.skipif(_free_huge_pages() < 4, reason="no 2 MB huge pages reserved "
-                    "(vm.nr_hugepages); the segment then takes 4 KB pages")
+def _need_huge_pages(n: int) -> None:
+    """Skip unless n 2 MB pages are free now (earlier tests' segments may hold some)."""
+    if _free_huge_pages() < n:
+        pytest.skip(f"fewer than {n} free 2 MB huge pages (vm.nr_hugepages): hugetlbfs "
+                    "is refused at mmap and the segment takes 4 KB pages")
+
+
 def test_a_segment_of_any_size_takes_reserved_huge_pages_whole():
     """hugetlbfs files are whole 2 MB pages: a pool of another size still gets them,
     its segment rounded up, and a peer maps all of it."""
+    _need_huge_pages(2)
     seg = SharedSegment((3 << 20) + 5)
     assert seg.huge_pages and seg.handle.nbytes == 4 << 20
     mapped = PeerSegments().map(seg.handle)
@@ -387,3 +393,20 @@ def test_parts_cover_every_row_once(rows, parts):
     assert len(bounds) == parts
     assert [r for a, b in bounds for r in range(a, b)] == list(range(rows))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+
+
+def test_huge_pages_that_cannot_be_faulted_in_leave_the_segment_on_small_pages(monkeypatch):
+    """Reserved pages whose fault is refused (a cgroup's hugetlb limit), or where the
+    kernel cannot report the refusal (no MADV_POPULATE_WRITE): small pages, the
+    hugetlbfs mapping given back, and the segment still zeroed and faulted in."""
+    import kvcache.shm_segment as shm
+
+    _need_huge_pages(2)   # else mmap refuses them, before the fault this is about
+    free = _free_huge_pages()
+    monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", 9999)   # EINVAL, as on Linux < 5.14
+    seg = SharedSegment((3 << 20) + 5)
+    assert not seg.huge_pages and seg.handle.nbytes == (3 << 20) + 5
+    assert _free_huge_pages() == free and seg.buffer[:] == bytes(len(seg.buffer))
+    mapped = PeerSegments().map(seg.handle)
+    seg.buffer[(3 << 20) + 4] = 9
+    assert mapped[(3 << 20) + 4] == 9
