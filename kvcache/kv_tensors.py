@@ -16,11 +16,19 @@ allocation, in one of two orders:
   Kernels reach a block through the layer tensor's ``stride(1)``.
 
 ``pool_runs`` recognises either order from the tensors' strides.
+
+A host pool of 2 MB or more is a private mapping advised for transparent huge pages
+(``MADV_HUGEPAGE``): torch's allocator only asks for them when ``THP_MEM_ALLOC_ENABLE``
+is set before its first allocation, and on a kernel whose THP mode is ``madvise`` (the
+common default) 4 KB pages made a 128K-token decode attention 15-20% slower, dense or
+sparse (``benchmarks/RESULTS.md``, "Huge pages for the KV pool"). Like ``torch.zeros``,
+the mapping is zeroed and faulted in as it is used.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +36,8 @@ import numpy as np
 import torch
 
 from kvcache.kv_layout import LAYOUT_ND, block_shape
+
+_HUGE_PAGE = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -66,13 +76,16 @@ class KVShape:
 
 
 def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device,
-                      buffer: memoryview | None = None,
+                      buffer: memoryview | mmap.mmap | None = None,
                       block_major: bool = False) -> list[torch.Tensor]:
     """The pool's layers, in either order (module docstring); over the start of
     ``buffer`` (zeroed host memory, such as a shared segment) when given, else a fresh
     zeroed allocation on ``device``."""
     dims = ((num_blocks, shape.num_layers, 2) if block_major
             else (shape.num_layers, 2, num_blocks)) + shape.block_shape
+    nbytes = math.prod(dims) * shape.dtype.itemsize
+    if buffer is None and device.type == "cpu" and nbytes >= _HUGE_PAGE:
+        buffer = huge_page_memory(nbytes)
     if buffer is None:
         memory = torch.zeros(dims, dtype=shape.dtype, device=device)
     else:
@@ -82,6 +95,15 @@ def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device,
         memory = torch.frombuffer(buffer, dtype=shape.dtype, count=math.prod(dims)).view(dims)
     pool = memory.permute(1, 2, 0, *range(3, len(dims))) if block_major else memory
     return list(pool.unbind(0))
+
+
+def huge_page_memory(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of zeroed private host memory advised for transparent huge pages
+    (module docstring); a tensor made over it with ``torch.frombuffer`` keeps it mapped."""
+    memory = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return memory
 
 
 def pool_runs(kv_caches: Sequence[torch.Tensor]) -> torch.Tensor | None:
