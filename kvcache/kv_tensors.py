@@ -80,19 +80,20 @@ def allocate_kv_cache(shape: KVShape, num_blocks: int, device: torch.device,
                       block_major: bool = False) -> list[torch.Tensor]:
     """The pool's layers, in either order (module docstring); over the start of
     ``buffer`` (zeroed host memory, such as a shared segment) when given, else a fresh
-    zeroed allocation on ``device``."""
+    zeroed allocation on ``device`` (on huge pages for a large host pool: module
+    docstring)."""
     dims = ((num_blocks, shape.num_layers, 2) if block_major
             else (shape.num_layers, 2, num_blocks)) + shape.block_shape
-    nbytes = math.prod(dims) * shape.dtype.itemsize
-    if buffer is None and device.type == "cpu" and nbytes >= _HUGE_PAGE:
-        buffer = huge_page_memory(nbytes)
+    count = math.prod(dims)
+    if buffer is None and device.type == "cpu" and count * shape.dtype.itemsize >= _HUGE_PAGE:
+        buffer = huge_page_memory(count * shape.dtype.itemsize)
     if buffer is None:
         memory = torch.zeros(dims, dtype=shape.dtype, device=device)
     else:
         if device.type != "cpu":
             raise ValueError(f"kv pool buffer: got one for device {device}; a buffer holds "
                              "host memory, so only a cpu pool can live in it")
-        memory = torch.frombuffer(buffer, dtype=shape.dtype, count=math.prod(dims)).view(dims)
+        memory = torch.frombuffer(buffer, dtype=shape.dtype, count=count).view(dims)
     pool = memory.permute(1, 2, 0, *range(3, len(dims))) if block_major else memory
     return list(pool.unbind(0))
 
