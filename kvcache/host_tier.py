@@ -11,9 +11,22 @@ scheduler decides which host block holds what.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvcache.kv_tensors import KVShape
+
+# (src, src_ids, dst, dst_ids, head): ``copy_head_blocks``'s signature, which a device's
+# ops may implement faster (``Ops.copy_head_blocks``)
+HeadBlockCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+def copy_head_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                     dst_ids: torch.Tensor, head: int) -> None:
+    """KV head ``head`` of blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` (distinct)
+    of ``dst``, both [2, blocks, block_size, KVH, W] in any block order and on any devices."""
+    dst[:, dst_ids, :, head] = src[:, src_ids, :, head].to(dst.device, non_blocking=True)
 
 
 class HostKVStore:
@@ -38,7 +51,6 @@ class HostKVStore:
             self.kv[layer].index_copy_(1, dst, kv[:, src].cpu())
 
     def recall(self, layer: int, head: int, kv_cache: torch.Tensor, host_ids: torch.Tensor,
-               device_ids: torch.Tensor) -> None:
+               device_ids: torch.Tensor, copy: HeadBlockCopy = copy_head_blocks) -> None:
         """Copy one layer's KV head ``head`` of host blocks into device blocks."""
-        block = self.kv[layer][:, host_ids, :, head]
-        kv_cache[:, device_ids, :, head] = block.to(kv_cache.device, non_blocking=True)
+        copy(self.kv[layer], host_ids, kv_cache, device_ids, head)

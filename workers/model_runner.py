@@ -129,7 +129,8 @@ class ModelRunner:
                 self.kv_shape, num_blocks + (1 if decode_graph_sizes else 0), device)
         self.long_context = (
             LongContextAttention(long_context, self.kv_shape, num_blocks, device,
-                                 self.ops.block_selector(long_context.summary))
+                                 self.ops.block_selector(long_context.summary),
+                                 self.ops.copy_head_blocks)
             if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
         self.tokenizer = checkpoint.tokenizer

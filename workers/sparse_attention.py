@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvcache.block_summary import BlockSelector, combine, scoring_rows, summarize, summary_width
-from kvcache.host_tier import HostKVStore
+from kvcache.host_tier import HeadBlockCopy, HostKVStore, copy_head_blocks
 from kvcache.kv_quant import value_width
 from kvcache.kv_tensors import KVShape
 from kvcache.kv_transfer import HostRows, ImportedBlocks
@@ -66,8 +66,10 @@ class SeqTierState:
 
 class LongContextAttention:
     def __init__(self, config: LongContextConfig, shape: KVShape, num_blocks: int,
-                 device: torch.device, selector: BlockSelector) -> None:
-        """``selector``: the device's exact top-k (``Ops.block_selector``) or an index."""
+                 device: torch.device, selector: BlockSelector,
+                 copy: HeadBlockCopy = copy_head_blocks) -> None:
+        """``selector``: the device's exact top-k (``Ops.block_selector``) or an index;
+        ``copy``: how recalled blocks move from the host tier (``Ops.copy_head_blocks``)."""
         config.check_block_size(shape.block_size)
         self.config = config
         self.shape = shape
@@ -78,6 +80,7 @@ class LongContextAttention:
         host_blocks = config.host_budget // shape.bytes_per_block
         self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu")
         self.selector = selector
+        self.copy = copy
         self.stats = TierStats(host_blocks=host_blocks)
         self._received: dict[int, torch.Tensor | None] = {}   # host block -> its summaries
         self._step = 0
@@ -384,7 +387,7 @@ class SparseStep:
                 blocks = torch.as_tensor([b for b, _ in copies])
                 targets = torch.as_tensor([s for _, s in copies])
                 o.host.recall(layer, head, kv_cache, sr.middle[blocks].flatten(),
-                              recall_ids[targets].flatten().to(kv_cache.device))
+                              recall_ids[targets].flatten().to(kv_cache.device), o.copy)
             o.stats.recalled_blocks += len(copies) * r
             o.stats.recall_hits += (len(slots) - len(copies)) * r
             rows.append(recall_ids[torch.as_tensor(slots)].flatten())

@@ -128,3 +128,9 @@ class Ops(Protocol):
         """Sparse attention's exact top-k block selection for ``kind`` summaries
         (``kvcache.block_summary``), run where this backend runs it fastest."""
         ...
+
+    def copy_head_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                         dst_ids: torch.Tensor, head: int) -> None:
+        """``kvcache.host_tier.copy_head_blocks``: offload mode's recall of one layer and
+        KV head's selected blocks from the host tier into the pool."""
+        ...
