@@ -20,8 +20,8 @@ allocation, in one of two orders:
 A host pool of 2 MB or more is a private mapping advised for transparent huge pages
 (``MADV_HUGEPAGE``): torch's allocator only asks for them when ``THP_MEM_ALLOC_ENABLE``
 is set before its first allocation, and on a kernel whose THP mode is ``madvise`` (the
-common default) 4 KB pages made a 128K-token decode attention 15-30% slower, dense or
-sparse (``benchmarks/RESULTS.md``, "Huge pages for the KV pool"). Like ``torch.zeros``,
+common default) 4 KB pages made decode attention over 64K-128K tokens 15-30% slower,
+dense or sparse (``benchmarks/RESULTS.md``, "Huge pages for the KV pool"). Like ``torch.zeros``,
 the mapping is zeroed and faulted in as it is used.
 """
 
