@@ -374,6 +374,23 @@ def test_a_segment_of_any_size_takes_reserved_huge_pages_whole():
     assert len(mapped) == 4 << 20 and mapped[(3 << 20) + 4] == 9
 
 
+def test_huge_pages_that_cannot_be_faulted_in_leave_the_segment_on_small_pages(monkeypatch):
+    """Reserved pages whose fault is refused (a cgroup's hugetlb limit), or where the
+    kernel cannot report the refusal (no MADV_POPULATE_WRITE): small pages, the
+    hugetlbfs mapping given back, and the segment still zeroed and faulted in."""
+    import kvcache.shm_segment as shm
+
+    _need_huge_pages(2)   # else mmap refuses them, before the fault this is about
+    free = _free_huge_pages()
+    monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", 9999)   # EINVAL, as on Linux < 5.14
+    seg = SharedSegment((3 << 20) + 5)
+    assert not seg.huge_pages and seg.handle.nbytes == (3 << 20) + 5
+    assert _free_huge_pages() == free and seg.buffer[:] == bytes(len(seg.buffer))
+    mapped = PeerSegments().map(seg.handle)
+    seg.buffer[(3 << 20) + 4] = 9
+    assert mapped[(3 << 20) + 4] == 9
+
+
 def test_same_node_shares_memory_and_another_node_uses_the_object_store_in_parts():
     handle = SegmentHandle(1, 3, 4, 1 << 30)
     here, there = WorkerPlace("node-a", 1 << 20, handle), WorkerPlace("node-b", 1 << 20, handle)
@@ -394,19 +411,3 @@ def test_parts_cover_every_row_once(rows, parts):
     assert [r for a, b in bounds for r in range(a, b)] == list(range(rows))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
 
-
-def test_huge_pages_that_cannot_be_faulted_in_leave_the_segment_on_small_pages(monkeypatch):
-    """Reserved pages whose fault is refused (a cgroup's hugetlb limit), or where the
-    kernel cannot report the refusal (no MADV_POPULATE_WRITE): small pages, the
-    hugetlbfs mapping given back, and the segment still zeroed and faulted in."""
-    import kvcache.shm_segment as shm
-
-    _need_huge_pages(2)   # else mmap refuses them, before the fault this is about
-    free = _free_huge_pages()
-    monkeypatch.setattr(shm, "_MADV_POPULATE_WRITE", 9999)   # EINVAL, as on Linux < 5.14
-    seg = SharedSegment((3 << 20) + 5)
-    assert not seg.huge_pages and seg.handle.nbytes == (3 << 20) + 5
-    assert _free_huge_pages() == free and seg.buffer[:] == bytes(len(seg.buffer))
-    mapped = PeerSegments().map(seg.handle)
-    seg.buffer[(3 << 20) + 4] = 9
-    assert mapped[(3 << 20) + 4] == 9
