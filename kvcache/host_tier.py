@@ -17,16 +17,24 @@ import torch
 
 from kvcache.kv_tensors import KVShape
 
-# (src, src_ids, dst, dst_ids, head): ``copy_head_blocks``'s signature, which a device's
-# ops may implement faster (``Ops.copy_head_blocks``)
-HeadBlockCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+# (src, src_ids, dst, dst_ids, head): ``copy_kv_blocks``'s signature, which a device's
+# ops may implement faster (``Ops.copy_kv_blocks``)
+KVBlockCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int | None],
+                       None]
 
 
-def copy_head_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
-                     dst_ids: torch.Tensor, head: int) -> None:
-    """KV head ``head`` of blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` (distinct)
-    of ``dst``, both [2, blocks, block_size, KVH, W] in any block order and on any devices."""
-    dst[:, dst_ids, :, head] = src[:, src_ids, :, head].to(dst.device, non_blocking=True)
+def copy_kv_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                   dst_ids: torch.Tensor, head: int | None = None) -> None:
+    """Blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` (distinct) of ``dst``, both
+    [2, blocks, block_size, KVH, W] in any block order and on any devices, each list of
+    ids on its tensor's device; only KV head ``head``'s rows when given."""
+    if head is not None:
+        dst[:, dst_ids, :, head] = src[:, src_ids, :, head].to(dst.device, non_blocking=True)
+        return
+    # index_copy_, not index_select: over a block-major layer (strided) index_select
+    # first copies the whole layer (20 ms a layer of 4,000 fp16 blocks, not 0.2). The
+    # copy to dst's device blocks: a device-to-host copy must land before it is read.
+    dst.index_copy_(1, dst_ids, src[:, src_ids].to(dst.device))
 
 
 class HostKVStore:
@@ -41,16 +49,14 @@ class HostKVStore:
         self.kv = blocks.permute(1, 2, 0, 3, 4, 5)   # [L, 2, blocks, bs, KVH, D]
 
     def offload(self, kv_caches: list[torch.Tensor], device_ids: list[int],
-                host_ids: list[int]) -> None:
+                host_ids: list[int], copy: KVBlockCopy = copy_kv_blocks) -> None:
         """Copy the device blocks' KV (every layer) into host blocks."""
         src = torch.as_tensor(device_ids, device=kv_caches[0].device)
         dst = torch.as_tensor(host_ids)
         for layer, kv in enumerate(kv_caches):
-            # Indexing, not index_select: over a block-major layer (strided) index_select
-            # first copies the whole layer (20 ms a layer of 4,000 fp16 blocks, not 0.2).
-            self.kv[layer].index_copy_(1, dst, kv[:, src].cpu())
+            copy(kv, src, self.kv[layer], dst, None)
 
     def recall(self, layer: int, head: int, kv_cache: torch.Tensor, host_ids: torch.Tensor,
-               device_ids: torch.Tensor, copy: HeadBlockCopy = copy_head_blocks) -> None:
+               device_ids: torch.Tensor, copy: KVBlockCopy = copy_kv_blocks) -> None:
         """Copy one layer's KV head ``head`` of host blocks into device blocks."""
         copy(self.kv[layer], host_ids, kv_cache, device_ids, head)

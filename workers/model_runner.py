@@ -130,7 +130,7 @@ class ModelRunner:
         self.long_context = (
             LongContextAttention(long_context, self.kv_shape, num_blocks, device,
                                  self.ops.block_selector(long_context.summary),
-                                 self.ops.copy_head_blocks)
+                                 self.ops.copy_kv_blocks)
             if long_context is not None and long_context.enabled else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
         self.tokenizer = checkpoint.tokenizer

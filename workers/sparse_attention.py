@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvcache.block_summary import BlockSelector, combine, scoring_rows, summarize, summary_width
-from kvcache.host_tier import HeadBlockCopy, HostKVStore, copy_head_blocks
+from kvcache.host_tier import HostKVStore, KVBlockCopy, copy_kv_blocks
 from kvcache.kv_quant import value_width
 from kvcache.kv_tensors import KVShape
 from kvcache.kv_transfer import HostRows, ImportedBlocks
@@ -67,9 +67,9 @@ class SeqTierState:
 class LongContextAttention:
     def __init__(self, config: LongContextConfig, shape: KVShape, num_blocks: int,
                  device: torch.device, selector: BlockSelector,
-                 copy: HeadBlockCopy = copy_head_blocks) -> None:
+                 copy: KVBlockCopy = copy_kv_blocks) -> None:
         """``selector``: the device's exact top-k (``Ops.block_selector``) or an index;
-        ``copy``: how recalled blocks move from the host tier (``Ops.copy_head_blocks``)."""
+        ``copy``: how blocks move to and from the host tier (``Ops.copy_kv_blocks``)."""
         config.check_block_size(shape.block_size)
         self.config = config
         self.shape = shape
@@ -104,7 +104,8 @@ class LongContextAttention:
                 # Summaries are taken while the blocks are still in the device pool.
                 ids = torch.as_tensor(sources, device=self.summaries.device)
                 self._extend_summaries(state, self.summaries[:, ids])
-                self.host.offload(kv_caches, sources, change.host_block_ids[len(received):])
+                self.host.offload(kv_caches, sources, change.host_block_ids[len(received):],
+                                  self.copy)
                 self.stats.offloaded_blocks += len(sources)
             state.host_ids.extend(change.host_block_ids)
             block_ids[first:first + n] = [-1] * n

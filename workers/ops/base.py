@@ -129,8 +129,9 @@ class Ops(Protocol):
         (``kvcache.block_summary``), run where this backend runs it fastest."""
         ...
 
-    def copy_head_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
-                         dst_ids: torch.Tensor, head: int) -> None:
-        """``kvcache.host_tier.copy_head_blocks``: offload mode's recall of one layer and
-        KV head's selected blocks from the host tier into the pool."""
+    def copy_kv_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                       dst_ids: torch.Tensor, head: int | None = None) -> None:
+        """``kvcache.host_tier.copy_kv_blocks``: offload mode's moves of a sequence's middle
+        blocks into the host tier, and its recalls of a layer and KV head's selected
+        blocks back into the pool."""
         ...

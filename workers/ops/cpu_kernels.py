@@ -263,13 +263,13 @@ class CpuOps(TorchOps):
     def block_selector(self, kind: str) -> BlockSelector:
         return CpuBlockSelector(kind)
 
-    def copy_head_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
-                         dst_ids: torch.Tensor, head: int) -> None:
-        """Row by row in C++ (``csrc/kv_gather_cpu.cpp``) where both sides are host memory."""
+    def copy_kv_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                       dst_ids: torch.Tensor, head: int | None = None) -> None:
+        """In C++ (``csrc/kv_gather_cpu.cpp``) where both sides are host memory."""
         if src.device.type != "cpu" or dst.device.type != "cpu":
-            return super().copy_head_blocks(src, src_ids, dst, dst_ids, head)
-        torch.ops.llm_cluster.copy_head_blocks(src, src_ids.contiguous(), dst,
-                                               dst_ids.contiguous(), head)
+            return super().copy_kv_blocks(src, src_ids, dst, dst_ids, head)
+        torch.ops.llm_cluster.copy_kv_blocks(src, src_ids.contiguous(), dst,
+                                             dst_ids.contiguous(), head)
 
 
 class CpuBlockSelector:

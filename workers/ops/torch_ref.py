@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.block_summary import BlockSelector, ExactSelector
-from kvcache.host_tier import copy_head_blocks
+from kvcache.host_tier import copy_kv_blocks
 from kvcache.kv_layout import LAYOUT_ND
 from kvcache.kv_quant import dequantize_rows, quantize_rows
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
@@ -134,9 +134,9 @@ class TorchOps:
     def block_selector(self, kind: str) -> BlockSelector:
         return ExactSelector(kind)
 
-    def copy_head_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
-                         dst_ids: torch.Tensor, head: int) -> None:
-        copy_head_blocks(src, src_ids, dst, dst_ids, head)
+    def copy_kv_blocks(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                       dst_ids: torch.Tensor, head: int | None = None) -> None:
+        copy_kv_blocks(src, src_ids, dst, dst_ids, head)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:

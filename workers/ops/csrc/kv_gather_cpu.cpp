@@ -6,10 +6,11 @@
 // (benchmarks/RESULTS.md). The values are exactly torch's: an int8 row dequantizes as
 // float(value) * float(scale), one product per value (kvcache/kv_quant.py).
 //
-// Also here: copy_head_blocks, one KV head of a list of blocks from one pool-shaped tensor
-// into another, row by row, which offload mode's recall from the host tier does for every
-// layer and head it selects (kvcache/host_tier.py). torch's indexed read and write took
-// 2.2-2.4 ms for 504 blocks of the benchmark's shape, this 0.22 ms (benchmarks/RESULTS.md).
+// Also here: copy_kv_blocks, a list of blocks (or one KV head of them) from one pool-shaped
+// tensor into another, which offload mode does as a sequence's middle moves to the host
+// tier (whole blocks) and as each step recalls the blocks every layer and head selects
+// (kvcache/host_tier.py). torch's indexed read and write of one head took 2.2-2.4 ms for
+// 504 blocks of the benchmark's shape, this 0.22 ms (benchmarks/RESULTS.md).
 // Registered under torch.ops.llm_cluster.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -92,10 +94,10 @@ void check_ids(const at::Tensor& ids, int64_t num_blocks, bool distinct, const c
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<char> seen(distinct ? num_blocks : 0, 0);
   for (int64_t i = 0; i < ids.numel(); ++i) {
-    TORCH_CHECK(id[i] >= 0 && id[i] < num_blocks, "copy_head_blocks: ", what, " block ",
+    TORCH_CHECK(id[i] >= 0 && id[i] < num_blocks, "copy_kv_blocks: ", what, " block ",
                 id[i], " outside its pool of ", num_blocks);
     if (distinct) {
-      TORCH_CHECK(!seen[id[i]], "copy_head_blocks: ", what, " block ", id[i],
+      TORCH_CHECK(!seen[id[i]], "copy_kv_blocks: ", what, " block ", id[i],
                   " given twice; each destination block takes one source");
       seen[id[i]] = 1;
     }
@@ -103,36 +105,40 @@ void check_ids(const at::Tensor& ids, int64_t num_blocks, bool distinct, const c
 }
 
 // src, dst [2, blocks, block_size, KVH, W], each block's rows contiguous (any block
-// stride, as in either pool order and the host tier): head `head` of blocks src_ids[i]
-// into blocks dst_ids[i], keys and values, every row as stored (int8 rows with their
-// scale). Every id is checked before anything is written.
-void copy_head_blocks(const at::Tensor& src, const at::Tensor& src_ids, at::Tensor& dst,
-                      const at::Tensor& dst_ids, int64_t head) {
+// stride, as in either pool order and the host tier): blocks src_ids[i] into blocks
+// dst_ids[i], keys and values, every row as stored (int8 rows with their scale); only
+// head `head`'s rows when given. Every id is checked before anything is written.
+void copy_kv_blocks(const at::Tensor& src, const at::Tensor& src_ids, at::Tensor& dst,
+                    const at::Tensor& dst_ids, std::optional<int64_t> head) {
   TORCH_CHECK(src.dim() == 5 && dst.dim() == 5 && src.size(0) == 2 && dst.size(0) == 2 &&
                   blocks_contiguous(src, 1) && blocks_contiguous(dst, 1),
-              "copy_head_blocks: src and dst must be [2, blocks, block_size, KVH, W] with "
+              "copy_kv_blocks: src and dst must be [2, blocks, block_size, KVH, W] with "
               "each block's rows contiguous");
   TORCH_CHECK(src.scalar_type() == dst.scalar_type() && src.size(2) == dst.size(2) &&
                   src.size(3) == dst.size(3) && src.size(4) == dst.size(4),
-              "copy_head_blocks: src ", src.sizes(), " ", src.scalar_type(), " and dst ",
+              "copy_kv_blocks: src ", src.sizes(), " ", src.scalar_type(), " and dst ",
               dst.sizes(), " ", dst.scalar_type(), " differ in dtype or block shape");
   TORCH_CHECK(src_ids.scalar_type() == at::kLong && dst_ids.scalar_type() == at::kLong &&
                   src_ids.dim() == 1 && dst_ids.dim() == 1 && src_ids.is_contiguous() &&
                   dst_ids.is_contiguous() && src_ids.numel() == dst_ids.numel(),
-              "copy_head_blocks: src_ids and dst_ids must be contiguous int64 vectors of "
+              "copy_kv_blocks: src_ids and dst_ids must be contiguous int64 vectors of "
               "one length");
-  TORCH_CHECK(head >= 0 && head < src.size(3), "copy_head_blocks: head ", head,
-              " outside the ", src.size(3), " KV heads");
+  TORCH_CHECK(!head || (*head >= 0 && *head < src.size(3)), "copy_kv_blocks: head ",
+              head.value_or(0), " outside the ", src.size(3), " KV heads");
   check_ids(src_ids, src.size(1), false, "source");
   check_ids(dst_ids, dst.size(1), true, "destination");
-  const int64_t bytes = src.element_size();
-  const int64_t row = src.size(4) * bytes, tokens = src.size(2);
+  // A block's half is `runs` runs of `run` bytes: a head's row per token, or (every head)
+  // the whole contiguous half.
+  const int64_t bytes = src.element_size(), tokens = src.size(2);
+  const int64_t runs = head ? tokens : 1;
+  const int64_t run = (head ? 1 : tokens * src.size(3)) * src.size(4) * bytes;
   const int64_t s_half = src.stride(0) * bytes, s_block = src.stride(1) * bytes;
   const int64_t s_token = src.stride(2) * bytes;
   const int64_t d_half = dst.stride(0) * bytes, d_block = dst.stride(1) * bytes;
   const int64_t d_token = dst.stride(2) * bytes;
-  const char* from = static_cast<const char*>(src.data_ptr()) + head * src.stride(3) * bytes;
-  char* to = static_cast<char*>(dst.data_ptr()) + head * dst.stride(3) * bytes;
+  const int64_t h = head.value_or(0);
+  const char* from = static_cast<const char*>(src.data_ptr()) + h * src.stride(3) * bytes;
+  char* to = static_cast<char*>(dst.data_ptr()) + h * dst.stride(3) * bytes;
   const int64_t* si = src_ids.data_ptr<int64_t>();
   const int64_t* di = dst_ids.data_ptr<int64_t>();
   at::parallel_for(0, src_ids.numel(), 4 * kBlockGrain, [&](int64_t begin, int64_t end) {
@@ -140,7 +146,7 @@ void copy_head_blocks(const at::Tensor& src, const at::Tensor& src_ids, at::Tens
       for (int64_t half = 0; half < 2; ++half) {
         const char* s = from + half * s_half + si[i] * s_block;
         char* d = to + half * d_half + di[i] * d_block;
-        for (int64_t t = 0; t < tokens; ++t) std::memcpy(d + t * d_token, s + t * s_token, row);
+        for (int64_t t = 0; t < runs; ++t) std::memcpy(d + t * d_token, s + t * s_token, run);
       }
   });
 }
@@ -149,11 +155,11 @@ void copy_head_blocks(const at::Tensor& src, const at::Tensor& src_ids, at::Tens
 
 TORCH_LIBRARY_FRAGMENT(llm_cluster, m) {
   m.def("gather_kv(Tensor cache, Tensor block_table, int length) -> Tensor");
-  m.def("copy_head_blocks(Tensor src, Tensor src_ids, Tensor(a!) dst, Tensor dst_ids, "
-        "int head) -> ()");
+  m.def("copy_kv_blocks(Tensor src, Tensor src_ids, Tensor(a!) dst, Tensor dst_ids, "
+        "int? head) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(llm_cluster, CPU, m) {
   m.impl("gather_kv", &gather_kv);
-  m.impl("copy_head_blocks", &copy_head_blocks);
+  m.impl("copy_kv_blocks", &copy_kv_blocks);
 }

@@ -1,6 +1,7 @@
-"""Offload mode's recall copy (``Ops.copy_head_blocks``): one KV head of chosen host-tier
-blocks into pool blocks, every row as stored, nothing else touched; the C++ op of the CPU
-ops and the torch reference against a block-by-block loop."""
+"""Offload mode's copies (``Ops.copy_kv_blocks``): a recall of one KV head of chosen
+host-tier blocks into pool blocks, and an offload of whole pool blocks into the host tier,
+every row as stored, nothing else touched; the C++ op of the CPU ops and the torch
+reference against a block-by-block loop."""
 
 from __future__ import annotations
 
@@ -42,11 +43,30 @@ def test_a_recall_copies_one_head_of_each_chosen_block_and_nothing_else(ops, ord
     src_ids = torch.tensor([7, 0, 39, 12, 7, 25])   # a host block may be recalled twice
     dst_ids = torch.tensor([29, 3, 0, 11, 17, 4])
     head = KVH - 1
-    ops.copy_head_blocks(host.kv[1], src_ids, pool, dst_ids, head)
+    ops.copy_kv_blocks(host.kv[1], src_ids, pool, dst_ids, head)
     want = before.clone()
     for s, d in zip(src_ids.tolist(), dst_ids.tolist()):
         want[:, d, :, head] = host.kv[1][:, s, :, head]
     assert torch.equal(pool, want)
+
+
+@pytest.mark.parametrize("ops", [CpuOps(), TorchOps()], ids=["cpu", "torch"])
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_offload_copies_whole_blocks_of_every_layer_and_nothing_else(ops, order, dtype):
+    g = torch.Generator().manual_seed(10 + DTYPES.index(dtype))
+    host = _host_tier(dtype, g)
+    width = row_width(D, dtype)
+    pool = [in_pool(_random_rows((2, POOL_BLOCKS, BS, KVH, width), dtype, g), order)[1]
+            for _ in range(LAYERS)]
+    before = [layer.clone() for layer in host.kv]
+    src_ids, dst_ids = [5, 29, 0, 13], [39, 2, 17, 8]
+    host.offload(pool, src_ids, dst_ids, ops.copy_kv_blocks)
+    for layer in range(LAYERS):
+        want = before[layer].clone()
+        for s, d in zip(src_ids, dst_ids):
+            want[:, d] = pool[layer][:, s]
+        assert torch.equal(host.kv[layer], want)
 
 
 def test_the_cpu_copy_refuses_bad_ids_and_shapes_before_writing_anything():
@@ -55,7 +75,7 @@ def test_the_cpu_copy_refuses_bad_ids_and_shapes_before_writing_anything():
     host = _host_tier(torch.float32, g)
     _, pool = in_pool(_random_rows((2, POOL_BLOCKS, BS, KVH, D), torch.float32, g), ORDERS[0])
     before = pool.clone()
-    copy = torch.ops.llm_cluster.copy_head_blocks
+    copy = torch.ops.llm_cluster.copy_kv_blocks
     cases = [
         (torch.tensor([1, 40]), torch.tensor([0, 1]), 0, "source block 40 outside its pool of 40"),
         (torch.tensor([1, 2]), torch.tensor([0, 30]), 0,
