@@ -2,9 +2,10 @@
 
 Middle blocks of sequences in offload mode live here; their summaries stay on the
 device (with the sequence, on the worker), so a decode step scores every middle block
-without touching host memory and copies back only the blocks it selects. A block moves whole (every
-layer) when offloaded, but comes back one (layer, KV head) slice at a time, since each
-layer and head selects its own blocks. Host memory is pinned on accelerators, so the
+without touching host memory and copies back only the blocks it selects. A block moves
+whole (every layer) when offloaded, but comes back one (layer, KV head) slice at a time,
+since each layer and head selects its own blocks; both copies are ``copy_kv_blocks``, or
+the device's own (``Ops.copy_kv_blocks``). Host memory is pinned on accelerators, so the
 copies can run asynchronously. Like the device pool, this holds tensors only: the
 scheduler decides which host block holds what.
 """
@@ -32,8 +33,8 @@ def copy_kv_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
         dst[:, dst_ids, :, head] = src[:, src_ids, :, head].to(dst.device, non_blocking=True)
         return
     # index_copy_, not index_select: over a block-major layer (strided) index_select
-    # first copies the whole layer (20 ms a layer of 4,000 fp16 blocks, not 0.2). The
-    # copy to dst's device blocks: a device-to-host copy must land before it is read.
+    # first copies the whole layer (20 ms a layer of 4,000 fp16 blocks, not 0.2). And a
+    # blocking `.to`: a device-to-host copy must land before index_copy_ reads it.
     dst.index_copy_(1, dst_ids, src[:, src_ids].to(dst.device))
 
 
