@@ -39,8 +39,12 @@ def copy_kv_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
 
 
 class HostKVStore:
-    def __init__(self, shape: KVShape, num_blocks: int, pin: bool = False) -> None:
+    def __init__(self, shape: KVShape, num_blocks: int, pin: bool = False,
+                 copy: KVBlockCopy = copy_kv_blocks) -> None:
+        """``copy``: how blocks move between the pool and this store (the device's
+        ``Ops.copy_kv_blocks``)."""
         self.num_blocks = num_blocks
+        self.copy = copy
         # Uninitialised: a host block is always written before it is read, and untouched
         # pages of a large budget cost no memory until the tier fills. Block-major
         # (kv_tensors), as shared pools are, so a handoff copies a block as one run.
@@ -50,14 +54,14 @@ class HostKVStore:
         self.kv = blocks.permute(1, 2, 0, 3, 4, 5)   # [L, 2, blocks, bs, KVH, D]
 
     def offload(self, kv_caches: list[torch.Tensor], device_ids: list[int],
-                host_ids: list[int], copy: KVBlockCopy = copy_kv_blocks) -> None:
+                host_ids: list[int]) -> None:
         """Copy the device blocks' KV (every layer) into host blocks."""
         src = torch.as_tensor(device_ids, device=kv_caches[0].device)
         dst = torch.as_tensor(host_ids)
         for layer, kv in enumerate(kv_caches):
-            copy(kv, src, self.kv[layer], dst, None)
+            self.copy(kv, src, self.kv[layer], dst, None)
 
     def recall(self, layer: int, head: int, kv_cache: torch.Tensor, host_ids: torch.Tensor,
-               device_ids: torch.Tensor, copy: KVBlockCopy = copy_kv_blocks) -> None:
+               device_ids: torch.Tensor) -> None:
         """Copy one layer's KV head ``head`` of host blocks into device blocks."""
-        copy(self.kv[layer], host_ids, kv_cache, device_ids, head)
+        self.copy(self.kv[layer], host_ids, kv_cache, device_ids, head)

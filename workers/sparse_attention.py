@@ -78,9 +78,8 @@ class LongContextAttention:
                                       shape.num_kv_heads, value_width(shape.head_dim, shape.dtype)),
                                      device=device)
         host_blocks = config.host_budget // shape.bytes_per_block
-        self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu")
+        self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu", copy=copy)
         self.selector = selector
-        self.copy = copy
         self.stats = TierStats(host_blocks=host_blocks)
         self._received: dict[int, torch.Tensor | None] = {}   # host block -> its summaries
         self._step = 0
@@ -104,8 +103,7 @@ class LongContextAttention:
                 # Summaries are taken while the blocks are still in the device pool.
                 ids = torch.as_tensor(sources, device=self.summaries.device)
                 self._extend_summaries(state, self.summaries[:, ids])
-                self.host.offload(kv_caches, sources, change.host_block_ids[len(received):],
-                                  self.copy)
+                self.host.offload(kv_caches, sources, change.host_block_ids[len(received):])
                 self.stats.offloaded_blocks += len(sources)
             state.host_ids.extend(change.host_block_ids)
             block_ids[first:first + n] = [-1] * n
@@ -388,7 +386,7 @@ class SparseStep:
                 blocks = torch.as_tensor([b for b, _ in copies])
                 targets = torch.as_tensor([s for _, s in copies])
                 o.host.recall(layer, head, kv_cache, sr.middle[blocks].flatten(),
-                              recall_ids[targets].flatten().to(kv_cache.device), o.copy)
+                              recall_ids[targets].flatten().to(kv_cache.device))
             o.stats.recalled_blocks += len(copies) * r
             o.stats.recall_hits += (len(slots) - len(copies)) * r
             rows.append(recall_ids[torch.as_tensor(slots)].flatten())

@@ -24,8 +24,9 @@ def _random_rows(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator)
     return quantize_rows(x) if dtype == torch.int8 else x.to(dtype)
 
 
-def _host_tier(dtype: torch.dtype, g: torch.Generator) -> HostKVStore:
-    host = HostKVStore(KVShape(LAYERS, BS, KVH, row_width(D, dtype), dtype), HOST_BLOCKS)
+def _host_tier(dtype: torch.dtype, g: torch.Generator, ops: TorchOps) -> HostKVStore:
+    host = HostKVStore(KVShape(LAYERS, BS, KVH, row_width(D, dtype), dtype), HOST_BLOCKS,
+                       copy=ops.copy_kv_blocks)
     for layer in range(LAYERS):
         host.kv[layer].copy_(_random_rows(tuple(host.kv[layer].shape), dtype, g))
     return host
@@ -36,7 +37,7 @@ def _host_tier(dtype: torch.dtype, g: torch.Generator) -> HostKVStore:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_recall_copies_one_head_of_each_chosen_block_and_nothing_else(ops, order, dtype):
     g = torch.Generator().manual_seed(DTYPES.index(dtype))
-    host = _host_tier(dtype, g)
+    host = _host_tier(dtype, g, ops)
     _, pool = in_pool(_random_rows((2, POOL_BLOCKS, BS, KVH, row_width(D, dtype)), dtype, g),
                       order)
     before = pool.clone()
@@ -55,13 +56,13 @@ def test_a_recall_copies_one_head_of_each_chosen_block_and_nothing_else(ops, ord
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_offload_copies_whole_blocks_of_every_layer_and_nothing_else(ops, order, dtype):
     g = torch.Generator().manual_seed(10 + DTYPES.index(dtype))
-    host = _host_tier(dtype, g)
+    host = _host_tier(dtype, g, ops)
     width = row_width(D, dtype)
     pool = [in_pool(_random_rows((2, POOL_BLOCKS, BS, KVH, width), dtype, g), order)[1]
             for _ in range(LAYERS)]
     before = [layer.clone() for layer in host.kv]
     src_ids, dst_ids = [5, 29, 0, 13], [39, 2, 17, 8]
-    host.offload(pool, src_ids, dst_ids, ops.copy_kv_blocks)
+    host.offload(pool, src_ids, dst_ids)
     for layer in range(LAYERS):
         want = before[layer].clone()
         for s, d in zip(src_ids, dst_ids):
@@ -72,7 +73,7 @@ def test_an_offload_copies_whole_blocks_of_every_layer_and_nothing_else(ops, ord
 def test_the_cpu_copy_refuses_bad_ids_and_shapes_before_writing_anything():
     assert load_cpu_kernels() is None
     g = torch.Generator().manual_seed(0)
-    host = _host_tier(torch.float32, g)
+    host = _host_tier(torch.float32, g, CpuOps())
     _, pool = in_pool(_random_rows((2, POOL_BLOCKS, BS, KVH, D), torch.float32, g), ORDERS[0])
     before = pool.clone()
     copy = torch.ops.llm_cluster.copy_kv_blocks
