@@ -1,4 +1,6 @@
-"""The throughput-against-concurrency figure of ``bench offline`` as a PNG.
+"""The benchmarks' figures as PNGs: ``bench offline``'s throughput against concurrency,
+``bench long-context``'s speedup against context, ``bench long-context-oracle``'s
+agreement against the share of the middle attended.
 
 matplotlib is a test dependency, not a runtime one, so it is imported only here and
 the Agg backend keeps it off any display.
@@ -69,3 +71,29 @@ def plot_long_context(rows: list[dict[str, Any]], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_agreement(figs: dict[float, dict[str, dict[str, Any]]], target: float,
+                   path: Path) -> None:
+    """Teacher-forced agreement with dense against the share of the middle attended, one
+    line per selection (``figs``: share -> selection -> ``forced_figures``), the target
+    dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budget = sorted(figs)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in figs[budget[0]]:
+        ax.plot([100 * s for s in budget], [100 * figs[s][name]["agreement"] for s in budget],
+                "o-", label=name)
+    ax.axhline(100 * target, color="k", linestyle="--", label=f"target {target:.0%}")
+    ax.set_xlabel("share of the middle blocks attended (%)")
+    ax.set_ylabel("next-token agreement with dense (%)")
+    ax.set_title("Sparse decode steps against dense, teacher forced (default model)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

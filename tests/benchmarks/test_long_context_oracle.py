@@ -1,8 +1,13 @@
 """The oracle's block choice against mass computed by hand."""
 
+import re
+import struct
+
+import pytest
 import torch
 
-from benchmarks.long_context_oracle import oracle_blocks, round_keys
+from benchmarks.long_context_oracle import oracle_blocks, round_keys, shares
+from benchmarks.plot import plot_agreement
 
 
 def test_oracle_takes_the_blocks_with_the_most_group_mass():
@@ -41,3 +46,22 @@ def test_oracle_over_rounded_keys_chooses_by_the_rounded_mass():
     assert oracle_blocks(q, keys, 1).tolist() == [[0]]               # 4.5 against 4.0
     assert oracle_blocks(q, keys, 1, key_bits=2).tolist() == [[1]]   # 0 against 4.0
     assert oracle_blocks(q, keys, 1, key_bits=8).tolist() == [[0]]   # 8 bits keep 0.45
+
+
+def test_shares_of_the_middle_parse_sort_and_refuse_with_the_value():
+    assert shares("0.4, 0.2,0.2") == [0.2, 0.4]
+    assert shares("1") == [1.0]
+    for bad in ("0", "1.5", "0.2,x", ""):
+        with pytest.raises(SystemExit, match=re.escape(repr(bad))):
+            shares(bad)
+
+
+def test_agreement_plot_is_a_png_of_the_figure_size(tmp_path):
+    figs = {s: {"summary": {"agreement": a}, "oracle": {"agreement": a + 0.02}}
+            for s, a in ((0.2, 0.95), (0.4, 0.97))}
+    path = tmp_path / "agreement.png"
+    plot_agreement(figs, 0.99, path)
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    # IHDR: width and height, 7 x 4.5 inches at 120 dpi
+    assert struct.unpack(">II", head[16:24]) == (840, 540)
