@@ -4,6 +4,8 @@ a step copies in only the blocks it lacks (``sparse_attention``)."""
 
 from __future__ import annotations
 
+import heapq
+
 
 class RecallCache:
     """A sequence's recall blocks: slots of ``per_block`` device blocks, each holding one
@@ -30,20 +32,29 @@ class RecallCache:
 
     def place(self, layer: int, head: int, wanted: list[int],
               step: int) -> tuple[list[int], list[tuple[int, int]]]:
-        """Slots holding ``wanted`` middle blocks, and the (block, slot) pairs to copy in."""
+        """Slots holding ``wanted`` middle blocks, and the (block, slot) pairs to copy in:
+        a block not held takes the least recently used slot that holds no wanted block
+        (the lowest slot among equals). A step where every block is held sorts nothing."""
         key = layer * self.num_heads + head
         slot_of, content, used = self._slot_of[key], self._content[key], self._used[key]
-        want = set(wanted)
-        spare = iter(sorted((s for s in range(self.slots) if content[s] not in want),
-                            key=used.__getitem__))
-        copies, slots = [], []
-        for b in wanted:
-            s = slot_of.get(b)
-            if s is None:
-                s = next(spare)
+        slots = [slot_of.get(b, -1) for b in wanted]
+        missing = [i for i, s in enumerate(slots) if s < 0]
+        copies = []
+        if missing:
+            want = set(wanted)
+            spare = heapq.nsmallest(len(missing),
+                                    (s for s in range(self.slots) if content[s] not in want),
+                                    key=used.__getitem__)
+            if len(spare) < len(missing):
+                raise RuntimeError(f"recall cache: {len(missing)} blocks to place in "
+                                   f"{len(spare)} free slots of {self.slots}; the scheduler "
+                                   "grants a slot per selected block")
+            for i, s in zip(missing, spare):
+                b = wanted[i]
                 slot_of.pop(content[s], None)
                 slot_of[b], content[s] = s, b
+                slots[i] = s
                 copies.append((b, s))
+        for s in slots:
             used[s] = step
-            slots.append(s)
         return slots, copies

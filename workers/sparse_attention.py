@@ -274,6 +274,14 @@ class SparseStep:
                                device=self.meta.decode_block_tables.device)
 
     @functools.cached_property
+    def recall_ids(self) -> dict[int, torch.Tensor]:
+        """Per offloaded row, its recall blocks [slots, per_block], made once a step (the
+        cache grows only between steps)."""
+        r = self.owner.per_block
+        return {sr.row: torch.tensor(sr.state.recall.block_ids, dtype=torch.long).view(-1, r)
+                for sr in self.offloaded}
+
+    @functools.cached_property
     def placement(self) -> _Placement | None:
         """The device-resident rows' table writes, made in the first layer that needs
         them (none does when every layer takes the one-call path)."""
@@ -377,17 +385,15 @@ class SparseStep:
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Device blocks [KVH, k*r] holding the chosen middle blocks, copying in misses."""
         o = self.owner
-        r, cache = o.per_block, sr.state.recall
-        recall_ids = torch.as_tensor(cache.block_ids, dtype=torch.long).view(-1, r)
-        rows = []
+        cache, recall_ids = sr.state.recall, self.recall_ids[sr.row]
+        slots = []
         for head, wanted in enumerate(chosen.tolist()):
-            slots, copies = cache.place(layer, head, wanted, o._step)
+            held, copies = cache.place(layer, head, wanted, o._step)
+            slots.append(held)
             if copies:
-                blocks = torch.as_tensor([b for b, _ in copies])
-                targets = torch.as_tensor([s for _, s in copies])
-                o.host.recall(layer, head, kv_cache, sr.middle[blocks].flatten(),
-                              recall_ids[targets].flatten().to(kv_cache.device))
-            o.stats.recalled_blocks += len(copies) * r
-            o.stats.recall_hits += (len(slots) - len(copies)) * r
-            rows.append(recall_ids[torch.as_tensor(slots)].flatten())
-        return torch.stack(rows).to(kv_cache.device)
+                blocks, targets = zip(*copies)
+                o.host.recall(layer, head, kv_cache, sr.middle[list(blocks)].flatten(),
+                              recall_ids[list(targets)].flatten().to(kv_cache.device))
+            o.stats.recalled_blocks += len(copies) * o.per_block
+            o.stats.recall_hits += (len(held) - len(copies)) * o.per_block
+        return recall_ids[torch.tensor(slots)].flatten(1).to(kv_cache.device)
