@@ -182,7 +182,8 @@ def main(argv: Sequence[str] | None = None,
         plot_agreement(figs, AGREEMENT_TARGET, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"argv": list(argv or []), "starts": starts, "regions": asdict(Regions()),
+            {"argv": list(argv or []), "starts": starts, "shares": budgets,
+             "regions": asdict(Regions()),   # top_k_percent: each of the shares instead
              "forced": {str(s): f for s, f in figs.items()}}, indent=1), encoding="utf-8")
     return 0
 
