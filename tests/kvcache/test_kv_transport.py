@@ -342,4 +342,3 @@ def test_parts_cover_every_row_once(rows, parts):
     assert len(bounds) == parts
     assert [r for a, b in bounds for r in range(a, b)] == list(range(rows))
     assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
-
