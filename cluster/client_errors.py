@@ -28,17 +28,17 @@ def client_error(e: BaseException, request_id: str) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, OverloadedError):
-        return APIError(503, str(e), "server_error", code="overloaded", retry_after_s=1)
+        return APIError(503, str(e), type="server_error", code="overloaded", retry_after_s=1)
     if isinstance(e, (NoWorkersError, RayActorError)):
         log.error("request %s: the cluster could not serve it: %s", request_id, e)
         return APIError(503, f"the cluster cannot serve requests now; retry in a few seconds "
-                        f"(request id {request_id})", "server_error", code="unavailable",
+                        f"(request id {request_id})", type="server_error", code="unavailable",
                         retry_after_s=5)
     if isinstance(e, ValueError):   # the scheduler's refusal of a request's values
-        return APIError(400, str(e))
+        return APIError.bad_value(e)
     log.error("request %s failed", request_id, exc_info=e)
     return APIError(500, f"the server failed on this request (request id {request_id}); "
-                    "report the id to its operator", "server_error", code="internal_error")
+                    "report the id to its operator", type="server_error", code="internal_error")
 
 
 def unavailable(what: str, e: BaseException) -> str:

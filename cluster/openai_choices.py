@@ -94,7 +94,7 @@ def make_choices(req: Any, prompts: list[tuple[str | None, list[int]]],
     are then asked for and shown only if the request wanted them)."""
     if not 1 <= req.n <= MAX_CHOICES or len(prompts) * req.n > MAX_CHOICES:
         raise APIError(400, f"n: got {req.n} for {len(prompts)} prompt(s); at most "
-                       f"{MAX_CHOICES} choices per request", "n")
+                       f"{MAX_CHOICES} choices per request", param="n")
     samples = best_of(req)
     if len(prompts) * samples > MAX_CHOICES:
         raise APIError(400, f"best_of: got {samples} for {len(prompts)} prompt(s); at "

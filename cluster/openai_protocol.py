@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -19,19 +19,29 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cluster.openai_structured import StructuredFields
 from cluster.openai_tools import MessageToolCall, ToolFields
 from cluster.outputs import CompletionOutput, Logprob
-from scheduler.protocol import SamplingParams, StructuredOutputsParams
+from scheduler.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
 class APIError(Exception):
-    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+    """A request the server refuses: the HTTP status and OpenAI's error fields (the
+    optional ones by keyword, so that a parameter's name cannot land in ``type``)."""
 
     status: int
     message: str
+    _: KW_ONLY
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
     retry_after_s: int | None = None
+
+    @classmethod
+    def bad_value(cls, e: ValueError) -> APIError:
+        """A 400 for a ``ValueError`` whose message starts with the field it names
+        (``"temperature: got -1.0; ..."``), as validation here words them."""
+        head = str(e).split(":", 1)[0]
+        return cls(400, str(e), param=head if head.replace(".", "").replace("_", "")
+                   .isalnum() else None)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -102,8 +112,7 @@ class _SamplingFields(StructuredFields):
                 logit_bias=parse_logit_bias(self.logit_bias),
                 prompt_logprobs=self.wanted_prompt_logprobs)
         except ValueError as e:
-            field = str(e).split(":", 1)[0]
-            raise APIError(400, str(e), param=field) from None
+            raise APIError.bad_value(e) from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -167,9 +176,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(ToolFields, _SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    # Range-checked here, not only as SamplingParams' max_tokens and logprobs, so that a
+    # refusal names the field the client sent.
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
@@ -192,18 +203,20 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+        # The deepest error: of a union's members, the one that got furthest says most
+        # (a content part of type "image_url" rather than "content is not a string").
+        err = max(e.errors(), key=lambda err: len(_field_path(err["loc"])))
+        param = ".".join(_field_path(err["loc"]))
         got = err.get("input")
         shown = f"; got {got!r}" if err["type"] != "missing" else ""
         raise APIError(400, f"{param}: {err['msg']}{shown}", param=param or None) from None
 
 
-def _is_union_tag(part: str | int) -> bool:
-    """Pydantic names the member of a union it tried (``str``, ``list[int]``, a model's
-    class name) in an error's location; the field path is the rest."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part
-                                      or part[:1].isupper())
+def _field_path(loc: tuple[str | int, ...]) -> list[str]:
+    """An error's location without the union members pydantic names in it (``str``,
+    ``list[int]``, a model's class name)."""
+    return [str(p) for p in loc if not (isinstance(p, str) and (
+        p in ("str", "int", "float", "bool") or "[" in p or p[:1].isupper()))]
 
 
 @dataclass

@@ -87,9 +87,11 @@ class StructuredFields(BaseModel):
             raise ValueError(f"{first}: sent with {', '.join(rest)}; each constrains the "
                              "output, send only one")
         (param, spec), = asked.items()
+        (kind,) = spec
         try:
             params = StructuredOutputsParams(**spec)
             grammar_for(params)
-        except ValueError as e:
-            raise ValueError(f"{param}: {e}") from None
+        except ValueError as e:   # named by its kind; renamed to the field that was sent
+            raise ValueError(f"{param}: "
+                             f"{str(e).removeprefix(f'structured_outputs.{kind}: ')}") from None
         return params

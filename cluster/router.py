@@ -60,7 +60,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     message = (f"{request.method} {request.url.path}: {exc.detail}; the API is "
                "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, "
                "/version, /health, /metrics")
-    return JSONResponse(APIError(exc.status_code, message, kind).body(),
+    return JSONResponse(APIError(exc.status_code, message, type=kind).body(),
                         status_code=exc.status_code)
 
 
@@ -75,7 +75,7 @@ def _structured_spec(req: Any) -> StructuredOutputsParams | None:
     try:
         return req.structured_spec()
     except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        raise APIError.bad_value(e) from None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -166,7 +166,7 @@ class Router:
         # Constant time: how long a wrong key takes says nothing of how much of it matched.
         if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "missing or wrong API key: send the header "
-                           "'Authorization: Bearer <key>'", "authentication_error",
+                           "'Authorization: Bearer <key>'", type="authentication_error",
                            code="invalid_api_key")
 
     async def _body(self, request: Request) -> Any:
@@ -189,8 +189,8 @@ class Router:
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r} (see GET /v1/models)", "not_found_error",
-                           "model", "model_not_found")
+                           f"{self.model_name!r} (see GET /v1/models)", type="not_found_error",
+                           param="model", code="model_not_found")
 
     async def _models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -219,7 +219,8 @@ class Router:
         req: CompletionRequest = parse_request(CompletionRequest, await self._body(request))
         self._check_model(req.model)
         if req.suffix:
-            raise APIError(400, "suffix: not supported by this server; leave it out", "suffix")
+            raise APIError(400, "suffix: not supported by this server; leave it out",
+                           param="suffix")
         if not req.prompts:
             raise APIError(400, "prompt: got an empty list; give a prompt", param="prompt")
         prompts = [self._tokenize(p, add_special_tokens=True) for p in req.prompts]
@@ -235,7 +236,7 @@ class Router:
         tok = self.client.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer, so it has no chat template; "
-                           "use /v1/completions with token ids", "messages")
+                           "use /v1/completions with token ids", param="messages")
         extra = req.chat_template_kwargs or {}
         clash = sorted(set(extra) & {"messages", "add_generation_prompt", "tools"})
         if clash:
@@ -244,7 +245,7 @@ class Router:
         try:
             messages = [m.as_template_input(f"messages.{i}") for i, m in enumerate(req.messages)]
         except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+            raise APIError.bad_value(e) from None
         tools = req.tool_dicts()
         messages = template_messages(messages, tools, tok.template_for(bool(tools)),
                                      self.tool_parser)
@@ -257,7 +258,8 @@ class Router:
         prompt = self._tokenize(text, add_special_tokens=False, param="messages")
         top = req.top_logprobs
         if top is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+            raise APIError(400, "top_logprobs: needs logprobs set to true",
+                           param="top_logprobs")
         logprobs = (top or 0) if req.logprobs else None
         choices = make_choices(req, [prompt], req.output_limit, logprobs,
                                self._chat_structured(req), self.client,

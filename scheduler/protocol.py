@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import msgpack
 
 _MAX_SEED = 2**63 - 1
+MAX_LOGPROBS = 20   # alternatives per token a request may ask for, as vLLM's default
 
 
 class Role(str, enum.Enum):
@@ -134,9 +135,9 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, lo=1, hi=None)
         _check_int("min_tokens", self.min_tokens, lo=0, hi=self.max_tokens)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=20)
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: got {s!r}; each stop string must be a non-empty str")

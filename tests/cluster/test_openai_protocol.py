@@ -51,11 +51,39 @@ def test_completion_request_fields_and_sampling_params():
     ({"model": "m", "prompt": "hi", "n": 1.5}, "n"),
     ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": {"text": "hi"}}, "prompt"),
+    ({"model": "m", "prompt": ["a", 3]}, "prompt.1"),
 ])
 def test_wrong_types_name_their_field(body, param):
     with pytest.raises(APIError) as e:
         parse_request(CompletionRequest, body)
     assert e.value.status == 400 and e.value.param == param
+    assert e.value.type == "invalid_request_error"
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    # Of a union's members, the error of the one that got furthest.
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0.type", "'image_url'"),
+    # Chat's own names, not the SamplingParams fields they become.
+    ({"top_logprobs": 30, "logprobs": True}, "top_logprobs", "20"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "1"),
+])
+def test_chat_refusals_name_the_field_the_client_sent(fields, param, words):
+    with pytest.raises(APIError) as e:
+        parse_request(ChatCompletionRequest, {**CHAT, **fields})
+    assert (e.value.param, e.value.type) == (param, "invalid_request_error")
+    assert e.value.message.startswith(f"{param}: ") and words in e.value.message
+
+
+def test_api_error_fields_past_the_message_are_keywords():
+    with pytest.raises(TypeError):
+        APIError(400, "n: got 0", "n")   # would have made "n" the error's type
+    err = APIError.bad_value(ValueError("top_k: got -5; allowed range is [0, inf]"))
+    assert (err.status, err.param, err.type) == (400, "top_k", "invalid_request_error")
+    assert APIError.bad_value(ValueError("the prompt has 9 tokens: too many")).param is None
 
 
 def test_out_of_range_sampling_values_are_400_naming_the_field():
@@ -186,4 +214,7 @@ def test_structured_fields_become_one_spec_and_two_are_refused():
     req = parse_request(CompletionRequest, {"model": "m", "prompt": "p", "guided_regex": "a",
                                             "structured_outputs": {"json_object": True}})
     with pytest.raises(ValueError, match="guided_regex: sent with structured_outputs"):
+        req.structured_spec()
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "p", "guided_regex": "(("})
+    with pytest.raises(ValueError, match=r"^guided_regex: cannot be compiled"):
         req.structured_spec()

@@ -216,25 +216,29 @@ def test_malformed_json_and_wrong_types_are_400(server):
     _error(_post(f"{server}/v1/completions", {"prompt": "hi"}), 400)   # no model
 
 
-@pytest.mark.parametrize("path, fields", [
-    ("completions", {"prompt": []}),
-    ("completions", {"prompt": [[]]}),
-    ("completions", {"prompt": [-1, 5]}),
-    ("completions", {"prompt": "hi", "max_tokens": 0}),
-    ("completions", {"prompt": "hi", "n": 0}),
-    ("completions", {"prompt": "hi", "n": 200}),
-    ("completions", {"prompt": "hi", "logprobs": 100}),
-    ("completions", {"prompt": "hi", "stop": [""]}),
-    ("completions", {"prompt": "hi", "seed": 2**70}),
-    ("completions", {"prompt": "hi", "suffix": "x"}),
-    ("chat/completions", {"messages": [{"role": "bot", "content": "hi"}]}),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]}),
-    ("chat/completions", {"messages": QUESTION, "top_logprobs": 3}),
-    ("chat/completions", {"messages": QUESTION, "top_logprobs": 30, "logprobs": True}),
-    ("chat/completions", {"messages": QUESTION, "stream_options": {"include_usage": 1}}),
+@pytest.mark.parametrize("path, fields, param", [
+    ("completions", {"prompt": []}, "prompt"),
+    ("completions", {"prompt": [[]]}, "prompt"),
+    ("completions", {"prompt": [-1, 5]}, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": 200}, "n"),
+    ("completions", {"prompt": "hi", "logprobs": 100}, "logprobs"),
+    ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, "seed"),
+    ("completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+    ("chat/completions", {"messages": [{"role": "bot", "content": "hi"}]}, "messages.0.role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image"}]}]},
+     "messages.0.content.0.type"),
+    ("chat/completions", {"messages": QUESTION, "top_logprobs": 3}, "top_logprobs"),
+    ("chat/completions", {"messages": QUESTION, "top_logprobs": 30, "logprobs": True},
+     "top_logprobs"),
+    ("chat/completions", {"messages": QUESTION, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
 ])
-def test_odd_inputs_are_400_and_the_server_still_answers(server, path, fields):
-    _error(_post(f"{server}/v1/{path}", {"model": MODEL, **fields}), 400)
+def test_odd_inputs_are_400_and_the_server_still_answers(server, path, fields, param):
+    err = _error(_post(f"{server}/v1/{path}", {"model": MODEL, **fields}), 400)
+    assert (err["param"], err["type"]) == (param, "invalid_request_error"), err
     ok = _post(f"{server}/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert ok.status_code == 200
 
