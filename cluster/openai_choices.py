@@ -129,7 +129,8 @@ def make_choices(req: Any, prompts: list[tuple[str | None, list[int]]],
 
 
 async def open_all(client: ClusterClient, request_id: str, choices: list[Choice]) -> None:
-    """Open every choice's stream, or none: a refusal closes those already open."""
+    """Open every choice's stream, or none: a refusal closes those already open. A
+    cancellation (the client went away) stays one, not a failure of the server."""
     try:
         for c in choices:
             c.stream = await client.open_stream(
@@ -137,6 +138,8 @@ async def open_all(client: ClusterClient, request_id: str, choices: list[Choice]
                 sample_index=c.sample_index)
     except BaseException as e:
         await close_all(choices)
+        if not isinstance(e, Exception):
+            raise
         raise client_error(e, request_id) from None
 
 
