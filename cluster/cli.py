@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
@@ -85,7 +86,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, interrupt)
     try:
         serve.start(http_options={"host": sv.host, "port": sv.port})
-        serve.run(app_for(config), name="llm", route_prefix="/")
+        try:
+            serve.run(app_for(config), name="llm", route_prefix="/")
+        except RuntimeError as e:   # Serve names only the deployment; say why it failed
+            raise ValueError(f"the server did not start: {_deploy_failure('llm') or e}") \
+                from None
         url = f"http://{sv.host}:{sv.port}"
         name = served_model_name(config)
         defaults = ", ".join(f"{k}={v}" for k, v in sampling_defaults(config).items())
@@ -100,6 +105,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def _deploy_failure(app: str) -> str | None:
+    """The error that stopped an application's deployment: the last line of the first
+    failed deployment's traceback, without the exception's class name."""
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    for name, d in serve.status().applications[app].deployments.items():
+        lines = [ln for ln in d.message.splitlines() if ln.strip()]
+        if d.status is DeploymentStatus.DEPLOY_FAILED and lines:
+            error = re.sub(r"^[\w.]*(Error|Exception): ", "", lines[-1])
+            return f"{name}: {error}"
+    return None
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:

@@ -79,3 +79,24 @@ def test_the_server_starts_answers_and_stops(command, tmp_path, free_ports):
     assert code in (0, -signal.SIGINT, 130), _log(tmp_path)[-3000:]
     if command is _cluster_serve:
         assert f"Serving SmolLM2-135M-Instruct at {url}/v1" in _log(tmp_path)
+
+
+def test_a_cell_that_cannot_start_says_why_and_exits(tmp_path, free_ports):
+    """A failure inside the cell (here: a host KV tier too small for max_model_len, known
+    only once the model's shape is) ends ``cluster serve`` with that reason, not only
+    Serve's "Failed to update the deployments"."""
+    (port,) = free_ports(1)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "scheduler": {"max_model_len": 4096},
+        "long_context": {"enabled": True, "initial_tokens": 64, "local_tokens": 256,
+                         "dense_boundary": 512, "offload_boundary": 1024,
+                         "retrieval_block_size": 32, "host_kv_bytes": 30_000_000}}))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "cluster", "serve", "--config", str(config),
+                           "--port", str(port)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=_START_TIMEOUT_S)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert ("error: the server did not start: LLMCell: max_model_len: got 4096, but the host "
+            "KV tier holds the middle of at most") in done.stderr, done.stderr[-3000:]
+    assert "raise long_context.host_kv_bytes or lower max_model_len" in done.stderr
