@@ -343,10 +343,12 @@ class GlobalScheduler:
         one, or (``migration``) one running on a draining worker.
 
         The worker holding its pushed blocks comes first (``prefix_push``). Without a
-        serving decode worker with room, the sequence decodes where it is. The export is
-        submitted here, before the source's next step, so it never waits behind another
-        prefill.
+        serving decode worker with room, the sequence decodes where it is, and so does
+        one whose middle that worker has moved to its host tier. The export is submitted
+        here, before the source's next step, so it never waits behind another prefill.
         """
+        if src.batch.tiers is not None and src.batch.tiers.holds_host_blocks(seq.seq_id):
+            return
         pushed = self.pushes.holder(seq) if self.pushes is not None else None
         holder = pushed.dst if pushed else None
         handoff = None

@@ -88,6 +88,12 @@ class TierPlanner:
         self._seqs[seq_id] = _Tiers(KVMode.DENSE, first, list(ids), num_received=len(ids))
         return ids
 
+    def holds_host_blocks(self, seq_id: str) -> bool:
+        """Whether part of the sequence's KV is in this worker's host tier (its device
+        table reads -1 there), which a KV handoff cannot export."""
+        t = self._seqs.get(seq_id)
+        return t is not None and bool(t.host_ids)
+
     # ---- a decode step -------------------------------------------------------------
     def prepare(self, seq_id: str, context_len: int) -> bool:
         """Bring a decoding sequence to its mode at ``context_len`` tokens; False when a
