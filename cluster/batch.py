@@ -37,6 +37,7 @@ from cluster.batch_io import (
 from cluster.cli import interrupt
 from cluster.config import ClusterConfig, EngineConfig, load_config, with_default_pools
 from cluster.llm import LLM
+from cluster.openai_protocol import parse_messages
 from cluster.outputs import RequestOutput
 from scheduler.protocol import SamplingParams, StructuredOutputsParams
 
@@ -208,12 +209,7 @@ def _chat_text(llm: LLM, messages: Any) -> str:
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it has no chat template; give "
                          "'prompt' instead of 'messages'")
-    if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
-            and isinstance(m.get("content"), str) for m in messages):
-        raise ValueError(f"messages: got {messages!r}; expected a non-empty list of "
-                         "{'role': str, 'content': str}")
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(parse_messages(messages), add_generation_prompt=True)
 
 
 def _result(row: InputRow, out: RequestOutput) -> ResultRow:

@@ -15,6 +15,7 @@ in one rename. A resumed job reads the ids of both and skips those rows.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,8 @@ SAMPLING_COLUMNS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k",
 INPUT_COLUMNS = ("id", "prompt", "messages", "structured_outputs", *SAMPLING_COLUMNS)
 FORMATS = (".jsonl", ".json", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,12 +85,16 @@ def count_rows(path: Path) -> int:
 
 
 def read_rows(path: Path) -> Iterator[InputRow]:
-    """Yield the input's rows in order."""
+    """Yield the input's rows in order. Columns this command does not read are ignored,
+    each named once in a warning (a misspelt ``max_token`` would otherwise pass
+    unnoticed)."""
     values = _parquet_values(path) if input_format(path) == "parquet" else _json_values(path)
+    ignored: set[str] = set()
     for index, value in enumerate(values):
         if isinstance(value, str):
             yield InputRow(index, str(index), {}, value)
             continue
+        _warn_unread(value.keys(), ignored)
         row_id = value.get("id")
         yield InputRow(index, str(index) if row_id is None else str(row_id),
                        {k: v for k, v in value.items() if k in INPUT_COLUMNS and k != "id"})
@@ -97,9 +104,18 @@ def _parquet_values(path: Path) -> Iterator[dict[str, Any]]:
     f = pq.ParquetFile(path)
     names = f.schema_arrow.names
     _check_columns(path, names)
+    _warn_unread(names, set())
     for batch in f.iter_batches(batch_size=_PARQUET_BATCH_ROWS,
                                 columns=[c for c in names if c in INPUT_COLUMNS]):
         yield from batch.to_pylist()
+
+
+def _warn_unread(names: Iterable[str], warned: set[str]) -> None:
+    """Name each column this command does not read once (``warned``: those named)."""
+    for name in sorted(set(names) - set(INPUT_COLUMNS) - warned):
+        log.warning("input column %r is not one this command reads (%s); ignored", name,
+                    ", ".join(INPUT_COLUMNS))
+        warned.add(name)
 
 
 def _json_values(path: Path) -> Iterator[dict[str, Any] | str]:

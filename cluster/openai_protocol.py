@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from cluster.openai_structured import StructuredFields
 from cluster.openai_tools import MessageToolCall, ToolFields
@@ -156,6 +163,15 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        """Only an assistant message that calls tools may leave its content out, as
+        OpenAI has it."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"role {self.role!r} needs content (text or text parts); only "
+                             "an assistant message with tool_calls may omit it")
+        return self
+
     def as_template_input(self, param: str = "messages") -> dict[str, Any]:
         """The message as chat templates expect it (``param``: its place in the request,
         named by errors)."""
@@ -203,13 +219,38 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        # The deepest error: of a union's members, the one that got furthest says most
-        # (a content part of type "image_url" rather than "content is not a string").
-        err = max(e.errors(), key=lambda err: len(_field_path(err["loc"])))
-        param = ".".join(_field_path(err["loc"]))
-        got = err.get("input")
-        shown = f"; got {got!r}" if err["type"] != "missing" else ""
-        raise APIError(400, f"{param}: {err['msg']}{shown}", param=param or None) from None
+        param, message = _problem_shown(e)
+        raise APIError(400, message, param=param or None) from None
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat messages given as plain JSON (a batch row's ``messages``), checked as the
+    chat endpoint checks them, as chat templates expect them; a ``ValueError`` names
+    the bad field."""
+    try:
+        messages = _MESSAGES.validate_python(value)
+    except ValidationError as e:
+        _, message = _problem_shown(e, "messages")
+        raise ValueError(message) from None
+    if not messages:
+        raise ValueError("messages: got []; give at least one message")
+    return [m.as_template_input(f"messages.{i}") for i, m in enumerate(messages)]
+
+
+def _problem_shown(e: ValidationError, prefix: str = "") -> tuple[str, str]:
+    """The field and message of a validation error worth showing: the deepest, since of
+    a union's members the one that got furthest says most (a content part of type
+    "image_url" rather than "content is not a string")."""
+    err = max(e.errors(), key=lambda err: len(_field_path(err["loc"])))
+    param = ".".join([prefix, *_field_path(err["loc"])] if prefix else _field_path(err["loc"]))
+    if err["type"] == "value_error":   # a validator's own words, which name the problem
+        return param, f"{param}: {err['ctx']['error']}"
+    got = err.get("input")
+    shown = f"; got {got!r}" if err["type"] != "missing" else ""
+    return param, f"{param}: {err['msg']}{shown}"
 
 
 def _field_path(loc: tuple[str | int, ...]) -> list[str]:

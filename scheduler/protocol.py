@@ -112,6 +112,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name, kind, expected in (("stop", (list, tuple), "a string or a list of strings"),
+                                     ("stop_token_ids", (list, tuple), "a list of token ids"),
+                                     ("logit_bias", dict, "a {token id: bias} mapping")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise ValueError(f"{name}: got {value!r}; expected {expected}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})

@@ -111,7 +111,7 @@ def test_parquet_input_with_bad_rows_records_errors_and_goes_on(llm, oracle, tmp
     assert "temperature: got -1.0" in errors["hot"]
     assert "max_model_len is 256" in errors["long"]
     assert "this row has both" in errors["both"] and "this row has neither" in errors["neither"]
-    assert "expected a non-empty list of {'role': str, 'content': str}" in errors["nocontent"]
+    assert errors["nocontent"].startswith("messages.0: role 'user' needs content")
     assert all(got[k]["text"] is None and got[k]["completion_tokens"] is None for k in errors)
     assert (summary.new, summary.errors, summary.duplicates) == (8, 6, 1)
 

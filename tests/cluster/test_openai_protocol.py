@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from cluster.openai_protocol import (
     CompletionRequest,
     chat_logprobs,
     completion_logprobs,
+    parse_messages,
     parse_request,
 )
 from cluster.output_processor import streamable_text
@@ -76,6 +78,20 @@ def test_chat_refusals_name_the_field_the_client_sent(fields, param, words):
         parse_request(ChatCompletionRequest, {**CHAT, **fields})
     assert (e.value.param, e.value.type) == (param, "invalid_request_error")
     assert e.value.message.startswith(f"{param}: ") and words in e.value.message
+
+
+def test_batch_messages_are_checked_as_the_chat_endpoint_checks_them():
+    assert parse_messages([{"role": "developer", "content": [{"type": "text", "text": "a"}]},
+                           {"role": "user", "content": "b"}]) == [
+        {"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+    for value, words in (("hi", "messages: Input should be a valid list"),
+                         ([], "messages: got []"),
+                         ([{"role": "bot", "content": "x"}], "messages.0.role: "),
+                         ([{"role": "user"}], "messages.0: role 'user' needs content")):
+        with pytest.raises(ValueError, match=f"^{re.escape(words)}"):
+            parse_messages(value)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert parse_messages([{"role": "assistant", "tool_calls": [call]}])[0]["content"] == ""
 
 
 def test_api_error_fields_past_the_message_are_keywords():

@@ -54,6 +54,9 @@ def test_a_continued_decode_costs_a_few_bytes():
     ("logprobs", 21, "logprobs: got 21"),
     ("seed", "x", "seed: got 'x'; expected an integer"),
     ("stop", [""], "stop: got ''"),
+    ("stop", 5, "stop: got 5; expected a string or a list of strings"),
+    ("stop_token_ids", 7, "stop_token_ids: got 7; expected a list of token ids"),
+    ("logit_bias", [1], "logit_bias: got [1]; expected a {token id: bias} mapping"),
 ])
 def test_invalid_sampling_values_name_field_and_range(field, value, message):
     with pytest.raises(ValueError) as e:
