@@ -9,9 +9,11 @@ exercised on every step.
 from __future__ import annotations
 
 import logging
+import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,7 +68,7 @@ def tokenize_prompt(tokenizer: Tokenizer | None, vocab_size: int, max_model_len:
                              "of text")
         text, ids = prompt, tokenizer.encode(prompt, add_special_tokens)
     else:
-        text, ids = None, [int(t) for t in prompt]
+        text, ids = None, _token_ids(prompt)
     if not ids:
         raise ValueError("prompt is empty; give at least one character or token")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -77,6 +79,24 @@ def tokenize_prompt(tokenizer: Tokenizer | None, vocab_size: int, max_model_len:
                          f"{max_model_len}; shorten the prompt to at most "
                          f"{max_model_len - 1} tokens")
     return text, ids
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A prompt given as token ids, as ints: bytes, floats, booleans and digit strings
+    are refused rather than read as ids."""
+    if isinstance(prompt, (bytes, bytearray, dict)) or not isinstance(prompt, Iterable):
+        raise ValueError(f"prompt: got {type(prompt).__name__}; expected text or a list of "
+                         "token ids")
+    ids = []
+    for t in prompt:
+        try:
+            if isinstance(t, bool):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise ValueError(f"prompt token id {t!r} is not an integer; token ids are ints "
+                             "in [0, vocab size)") from None
+    return ids
 
 
 @dataclass

@@ -9,7 +9,7 @@ without leaving half the batch running.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from cluster.config import EngineConfig, load_config, with_overrides
 from cluster.engine import LocalEngine
+from cluster.openai_protocol import parse_messages
 from cluster.outputs import RequestOutput
 from scheduler.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
@@ -104,10 +105,11 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        one = isinstance(messages, str) or (messages and isinstance(messages[0], dict))
         parsed = []
-        for conv in conversations:
-            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
+        for conv in [messages] if one else messages:
+            text = tok.apply_chat_template(parse_messages(conv),
+                                           add_generation_prompt=add_generation_prompt,
                                            **(chat_template_kwargs or {}))
             parsed.append(self._parse({"prompt": text}, add_special_tokens=False))
         return self._run(parsed, sampling_params, use_tqdm, None)
@@ -157,6 +159,9 @@ class LLM:
 def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts: got {type(prompts).__name__}; expected text, token ids, "
+                         "a {'prompt' or 'prompt_token_ids': ...} dict, or a list of those")
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
@@ -167,7 +172,11 @@ def _per_prompt(sp: SamplingParams | Sequence[SamplingParams],
                 n: int) -> list[SamplingParams]:
     if isinstance(sp, SamplingParams):
         return [sp] * n
-    sps = list(sp)
+    sps = list(sp) if isinstance(sp, Sequence) else [sp]
+    wrong = next((s for s in sps if not isinstance(s, SamplingParams)), None)
+    if wrong is not None:
+        raise ValueError(f"sampling_params: got {type(wrong).__name__}; expected "
+                         "SamplingParams, or a list of one per prompt")
     if len(sps) != n:
         raise ValueError(f"got {len(sps)} sampling params for {n} prompts; give one, or one "
                          "per prompt")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -168,6 +170,20 @@ def test_bad_input_fails_before_any_work(llm):
     # a bad prompt anywhere in the batch stops the whole call before anything runs
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.generate(["fine", ""])
+    # values of the wrong kind are named, not turned into token ids or a TypeError
+    for prompts, words in ((b"hi", "prompts: got bytes"), (7, "prompts: got int"),
+                           (["fine", None], "prompt: got NoneType"),
+                           ({"prompt_token_ids": [1, 2.5]}, "prompt token id 2.5 is not an "
+                                                            "integer"),
+                           ({"prompt_token_ids": [1, True]}, "prompt token id True")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            llm.generate(prompts)
+    with pytest.raises(ValueError, match="sampling_params: got dict"):
+        llm.generate("hello", {"max_tokens": 3})
+    with pytest.raises(ValueError, match=re.escape("messages.0.role: Input should be")):
+        llm.chat([{"role": "bot", "content": "hi"}])
+    with pytest.raises(ValueError, match="role 'user' needs content"):
+        llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user"}]])
     assert not sched.has_unfinished()
 
 
