@@ -113,7 +113,8 @@ def _deploy_failure(app: str) -> str | None:
     from ray import serve
     from ray.serve.schema import DeploymentStatus
 
-    for name, d in serve.status().applications[app].deployments.items():
+    status = serve.status().applications.get(app)
+    for name, d in status.deployments.items() if status else ():
         lines = [ln for ln in d.message.splitlines() if ln.strip()]
         if d.status is DeploymentStatus.DEPLOY_FAILED and lines:
             error = re.sub(r"^[\w.]*(Error|Exception): ", "", lines[-1])
