@@ -169,8 +169,8 @@ def run(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     while True:   # idle: nothing running or waiting (drops reach workers with a step)
         after = metrics(base)
         busy = _sum(after, "vllm:num_requests_running") + _sum(after, "vllm:num_requests_waiting")
-        if (not busy and all(after.get(k) == before.get(k) for k in before
-                             if k.startswith(RESTORED))) or time.monotonic() > deadline:
+        restored = all(after.get(k) == before.get(k) for k in before if k.startswith(RESTORED))
+        if (not busy and restored) or time.monotonic() > deadline:
             break
         time.sleep(1)
     checks = {
@@ -178,8 +178,7 @@ def run(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
         "no internal errors": _sum(after, "llm_cluster_errors_total", "internal_error")
         == _sum(before, "llm_cluster_errors_total", "internal_error"),
         "constraints kept": tally["violations"] == 0,
-        "tiers restored": all(after.get(k) == before.get(k) for k in before
-                              if k.startswith(RESTORED)),
+        "tiers restored": restored,
         "idle": busy == 0,
         "no transfer failures": _sum(after, "llm_cluster_kv_transfer_failures_total")
         == _sum(before, "llm_cluster_kv_transfer_failures_total"),
