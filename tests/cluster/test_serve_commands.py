@@ -93,6 +93,7 @@ def test_a_cell_that_cannot_start_says_why_and_exits(tmp_path, free_ports):
                          "dense_boundary": 512, "offload_boundary": 1024,
                          "retrieval_block_size": 32, "host_kv_bytes": 30_000_000}}))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_SERVE_MAX_PER_REPLICA_RETRY_COUNT"] = "1"   # Serve's default 3: ~10 s a retry
     done = subprocess.run([sys.executable, "-m", "cluster", "serve", "--config", str(config),
                            "--port", str(port)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=_START_TIMEOUT_S)
