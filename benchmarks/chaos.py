@@ -9,7 +9,7 @@ a stream after its first events, a plain request after 0.3 s. ``--long`` adds pr
 900 and 1,800 words, for a long-context config. Then, once the server is idle:
 
 - no response was a 5xx, and the server counted no ``internal_error``;
-- every finished structured answer obeys its constraint;
+- every structured answer that ended by EOS or a tool call obeys its constraint;
 - both KV tiers hold what they held before (free device blocks, host-tier usage), and
   no KV transfer failed;
 - a greedy completion asked before and after is the same.
@@ -78,6 +78,14 @@ def make_request(rng: random.Random, model: str, long: bool) -> tuple[str, dict[
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
 
 
+def checkable(choice: dict[str, Any]) -> bool:
+    """Whether a chat choice ended where its constraint let it: by EOS or a tool call. A
+    stop string the request also gave (vLLM's ``stop_reason`` names it) or the length
+    limit cuts the answer short of what the constraint would complete, as it should."""
+    return (choice["finish_reason"] in ("stop", "tool_calls")
+            and not isinstance(choice.get("stop_reason"), str))
+
+
 def obeys(body: dict[str, Any], choice: dict[str, Any]) -> bool:
     """Whether a finished chat choice keeps to its request's constraint."""
     message = choice["message"]
@@ -119,10 +127,9 @@ async def one(client: httpx.AsyncClient, base: str, path: str, body: dict[str, A
     tally[resp.status_code // 100 * 100] += 1
     if resp.status_code == 200 and path == "/v1/chat/completions" and any(
             k in body for k in ("response_format", "guided_choice", "guided_regex", "tools")):
-        for choice in resp.json()["choices"]:
-            if choice["finish_reason"] in ("stop", "tool_calls"):
-                tally["checked"] += 1
-                tally["violations"] += not obeys(body, choice)
+        for choice in filter(checkable, resp.json()["choices"]):
+            tally["checked"] += 1
+            tally["violations"] += not obeys(body, choice)
 
 
 def metrics(base: str) -> dict[str, float]:

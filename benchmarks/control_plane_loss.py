@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -28,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from benchmarks.local_ports import free_ports
 
 SUBJECTS = ["the sea", "a CPU", "Paris", "prime numbers", "the moon", "a violin",
             "autumn", "a compiler", "bees", "the desert", "trains", "tea"]
@@ -240,12 +241,6 @@ def app_config(cluster: str = CLUSTER) -> Any:
 
 
 # ---- the benchmark --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--victims", nargs="+",
@@ -260,7 +255,7 @@ def main() -> None:
     from cluster.serve_app import app_for
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
+    (port,) = free_ports(1)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     url = f"http://127.0.0.1:{port}"
     try:

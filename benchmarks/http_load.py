@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,6 +51,7 @@ from benchmarks.load_stats import (
     report,
     summarize,
 )
+from benchmarks.local_ports import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -93,9 +94,7 @@ class ServerSpec:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def project_spec(port: int, config: str | None) -> ServerSpec:
@@ -191,7 +190,8 @@ def running_server(spec: ServerSpec, ready_timeout_s: float) -> Iterator[tuple[s
             if proc.poll() is not None:
                 raise RuntimeError(f"{spec.name} exited with {proc.returncode} before it was "
                                    f"ready; log {log_path}:\n{_log_tail(log_path)}")
-            with contextlib.suppress(OSError):
+            # Not yet listening (OSError), or something else answering on the port.
+            with contextlib.suppress(OSError, http.client.HTTPException):
                 if _get(f"{base}/health", 5)[0] == 200:
                     break
             if time.monotonic() > deadline:

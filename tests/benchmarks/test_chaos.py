@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.chaos import CONSTRAINTS, make_request, obeys
+from benchmarks.chaos import CONSTRAINTS, checkable, make_request, obeys
 from cluster.config import load_config
 from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -40,6 +40,17 @@ def test_the_constraint_check():
     assert obeys(choice, _choice("maybe")) and not obeys(choice, _choice("perhaps"))
     assert obeys(regex, _choice("abc de fgh")) and not obeys(regex, _choice("abc"))
     assert obeys(tools, _choice(tool_calls=[{"id": "1"}])) and not obeys(tools, _choice("hi"))
+
+
+def test_only_answers_the_constraint_ended_are_checked():
+    """A stop string of the request's own (here "a", inside "<tool_call>") or the length
+    limit ends an answer before its constraint completes; EOS, a stop token or a tool
+    call ends it where the constraint allows."""
+    def ended(finish_reason, stop_reason=None):
+        return {"finish_reason": finish_reason, "stop_reason": stop_reason}
+    assert checkable(ended("stop")) and checkable(ended("tool_calls"))
+    assert checkable(ended("stop", 2))   # a stop token id
+    assert not checkable(ended("stop", "a")) and not checkable(ended("length"))
 
 
 def test_the_long_context_config_loads_and_offloads_the_long_prompts():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
+from benchmarks import local_ports
 
 
 @pytest.fixture(scope="session")
@@ -29,18 +30,9 @@ def ray_instance():
 
 @pytest.fixture(scope="session")
 def free_ports() -> Callable[[int], list[int]]:
-    """``free_ports(n)``: n distinct ports free on 127.0.0.1 (all bound at once, so no
-    two are the same), for servers the tests start."""
-    def get(n: int) -> list[int]:
-        socks = [socket.socket() for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        ports = [s.getsockname()[1] for s in socks]
-        for s in socks:
-            s.close()
-        return ports
-
-    return get
+    """``free_ports(n)``: n distinct ports free on 127.0.0.1, for servers the tests start
+    (``benchmarks.local_ports``: none that Ray's own processes could take meanwhile)."""
+    return local_ports.free_ports
 
 
 @pytest.fixture(scope="session")
