@@ -51,10 +51,9 @@ from benchmarks.load_stats import (
     report,
     summarize,
 )
-from benchmarks.local_ports import free_ports
+from benchmarks.local_ports import HOST, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
 # The peer's KV cache: the memory each cluster worker's pool gets on a CPU by default.
 PEER_KV_BYTES = 2 << 30
 PEER_PAGE_SIZE = 256  # transformers' default continuous-batching page

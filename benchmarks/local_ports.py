@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 
 HOST = "127.0.0.1"
-_LOWEST = 20000            # above the well-known and registered ports servers default to
+_LOWEST = 20000            # above the ports servers default to (8000, 8265, 6379, ...)
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 

@@ -19,4 +19,3 @@ def test_ports_are_distinct_free_and_below_the_ephemeral_range():
     finally:
         for s in socks:
             s.close()
-
