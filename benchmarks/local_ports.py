@@ -3,8 +3,8 @@
 A port the kernel hands out for ``bind(port 0)`` comes from its ephemeral range, and so
 does every port Ray's processes take for themselves (the GCS, the raylet, each worker's
 gRPC server). A server started after such a pick can find the port taken by a Ray
-process that started in between: a chaos run's readiness probe once got a Ray gRPC
-reply there. So ports are drawn below that range, where nothing binds port 0.
+process that started in between: a chaos run's readiness probe once got a binary,
+non-HTTP reply there. So ports are drawn below that range, where nothing binds port 0.
 """
 
 from __future__ import annotations
