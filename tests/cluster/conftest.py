@@ -31,8 +31,8 @@ def ray_instance():
 @pytest.fixture(scope="session")
 def free_ports() -> Callable[[int], list[int]]:
     """``free_ports(n)``: n distinct ports free on 127.0.0.1, for servers the tests start
-    (``benchmarks.local_ports``: below the kernel's ephemeral range, where Ray's own
-    processes bind theirs)."""
+    (``benchmarks.local_ports``: drawn below the kernel's ephemeral range, the one in
+    which Ray's own processes bind theirs)."""
     return local_ports.free_ports
 
 
