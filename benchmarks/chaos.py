@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.http_load import free_port, project_spec, running_server
 
@@ -132,18 +133,21 @@ async def one(client: httpx.AsyncClient, base: str, path: str, body: dict[str, A
             tally["violations"] += not obeys(body, choice)
 
 
-def metrics(base: str) -> dict[str, float]:
-    """The server's Prometheus series, by their full name and labels."""
-    out = {}
-    for line in httpx.get(f"{base}/metrics", timeout=60).text.splitlines():
-        if line and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def _sum(series: dict[str, float], name: str, label: str = "") -> float:
-    return sum(v for k, v in series.items() if k.startswith(name) and label in k)
+def metrics(base: str) -> Series:
+    """The server's Prometheus samples, by name and labels."""
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _sum(series: Series, name: str, label_value: str | None = None) -> float:
+    """The samples of ``name`` summed: those with ``label_value`` among their labels'
+    values, when it is given."""
+    return sum(v for (n, labels), v in series.items()
+               if n == name and (label_value is None or label_value in dict(labels).values()))
 
 
 async def _traffic(base: str, model: str, args: argparse.Namespace) -> Counter:
@@ -176,7 +180,7 @@ def run(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     while True:   # idle: nothing running or waiting (drops reach workers with a step)
         after = metrics(base)
         busy = _sum(after, "vllm:num_requests_running") + _sum(after, "vllm:num_requests_waiting")
-        restored = all(after.get(k) == before.get(k) for k in before if k.startswith(RESTORED))
+        restored = all(after.get(k) == before.get(k) for k in before if k[0] in RESTORED)
         if (not busy and restored) or time.monotonic() > deadline:
             break
         time.sleep(1)
