@@ -100,9 +100,13 @@ class LongContextAttention:
                 self._extend_summaries(state, self._received_summaries(received))
             sources = change.offload_block_ids
             if sources:
-                # Summaries are taken while the blocks are still in the device pool.
-                ids = torch.as_tensor(sources, device=self.summaries.device)
-                self._extend_summaries(state, self.summaries[:, ids])
+                # Summaries are taken while the blocks are still in the device pool, for
+                # those not yet in the middle's (a sparse sequence's middle has them).
+                summarized = state.host_first + state.num_summarized * self.per_block
+                fresh = sources[max(summarized - first - len(received), 0):]
+                if fresh:
+                    ids = torch.as_tensor(fresh, device=self.summaries.device)
+                    self._extend_summaries(state, self.summaries[:, ids])
                 self.host.offload(kv_caches, sources, change.host_block_ids[len(received):])
                 self.stats.offloaded_blocks += len(sources)
             state.host_ids.extend(change.host_block_ids)

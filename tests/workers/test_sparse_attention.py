@@ -33,9 +33,10 @@ def prompts() -> list[list[int]]:
 
 
 def make_llm(path: str, long_context: dict | None, chunk: int = 2048,
-             kv_dtype: str = "auto") -> LLM:
+             kv_dtype: str = "auto", ops: str = "auto") -> LLM:
     return LLM(config=config_from_dict({
-        "model": {"path": path}, "cache": {"kv_cache_bytes": 4 << 20, "kv_dtype": kv_dtype},
+        "model": {"path": path, "ops": ops},
+        "cache": {"kv_cache_bytes": 4 << 20, "kv_dtype": kv_dtype},
         "scheduler": {"max_num_batched_tokens": chunk},
         "long_context": long_context or {}}))
 
@@ -113,6 +114,22 @@ def test_small_budget_attends_fewer_blocks_and_differs(tiny_long_factory):
     assert long_rows and any(not torch.equal(rows[c], dense_rows[c]) for c in long_rows)
     stats = llm.engine.runner.long_context.stats
     assert stats.recalled_blocks > 0 and stats.recall_hits > 0
+
+
+@pytest.mark.parametrize("ops", ["torch", "auto"])
+def test_offload_attends_what_sparse_attends(tiny_long_factory, ops):
+    """The host tier changes where middle blocks live, not which are attended: at a 20%
+    budget, every logit equals a run whose offload boundary is out of reach, for the
+    prompts that grow from sparse into offload mode too (the middle's summaries go on
+    from the sparse mode's, each block once)."""
+    path = tiny_long_factory("llama").path
+    sparse_tokens, sparse_rows = generate(
+        make_llm(path, {**REGIONS, "offload_boundary": 2048}, ops=ops))
+    llm = make_llm(path, REGIONS, ops=ops)
+    tokens, rows = generate(llm)
+    assert tokens == sparse_tokens
+    assert all(torch.equal(row, sparse_rows[context]) for context, row in rows.items())
+    assert llm.engine.runner.long_context.stats.offloaded_blocks > 0
 
 
 @pytest.mark.parametrize("kind", SUMMARY_KINDS)
