@@ -118,8 +118,9 @@ class GlobalScheduler:
     async def drain(self, worker_id: str) -> WorkerState:
         """Take a worker out of the cell without failing anything: it takes no new work,
         finishes its prefills, and its running sequences move to serving peers by KV
-        handoff (recomputed there only when a handoff fails). Returns once it holds
-        nothing (``REMOVED``: its actor may go) or died meanwhile (``LOST``)."""
+        handoff (recomputed there only when a handoff fails; those ``_start_handoff``
+        keeps finish in place). Returns once it holds nothing (``REMOVED``: its actor
+        may go) or died meanwhile (``LOST``)."""
         w = next((w for w in self.workers if w.worker_id == worker_id and w.alive), None)
         if w is None:
             known = ", ".join(x.worker_id for x in self.workers if x.alive)
@@ -138,10 +139,9 @@ class GlobalScheduler:
 
     def _drain_step(self, w: CellWorker) -> None:
         """Between two steps of a draining worker: move its decoding sequences to peers
-        (a long-context pool finishes them in place), and leave once it holds nothing."""
-        if w.batch.tiers is None:
-            for seq in [s for s in w.batch.running if s.num_tokens - s.num_computed_tokens == 1]:
-                self._start_handoff(w, seq, migration=True)
+        (``_start_handoff`` says which stay), and leave once it holds nothing."""
+        for seq in [s for s in w.batch.running if s.num_tokens - s.num_computed_tokens == 1]:
+            self._start_handoff(w, seq, migration=True)
         if not w.batch.seqs and not w.outgoing:
             w.state = WorkerState.REMOVED
             self.workers.remove(w)

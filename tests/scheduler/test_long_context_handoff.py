@@ -1,5 +1,6 @@
 """Handoffs of long sequences in the in-process cell: a sequence whose middle sits in
-its worker's host tier finishes there, as a handoff reads only the device pool."""
+its worker's host tier finishes there, as a handoff reads only the device pool; the
+others move, after a prefill and when their worker drains."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from kvcache.long_context import LongContextConfig
 from scheduler.config import CellConfig, SchedulerConfig
 from scheduler.global_scheduler import GlobalScheduler
 from scheduler.protocol import Role, SamplingParams
+from scheduler.stats import WorkerState
 from scheduler.worker_handle import WorkerRef
 from tests.scheduler.test_global_scheduler import LocalHandle, _finish
 from tests.workers.test_sparse_attention import REGIONS, make_llm
@@ -21,12 +23,12 @@ from workers.worker import Worker, WorkerSpec
 BLOCK_BYTES = 8192   # the tiny checkpoint's fp32 KV block (16 tokens)
 
 
-def _cell(path: str, pools: dict[str, tuple[int, int]]) -> GlobalScheduler:
-    """A cell of one worker per role, each with (device blocks, host blocks), its
-    context length resolved as ``ClusterEngine`` resolves it."""
+def _cell(path: str, pools: list[tuple[str, int, int]], **kw) -> GlobalScheduler:
+    """A cell of workers given as (role, device blocks, host blocks), named
+    ``{role}-{index}``, its context length resolved as ``ClusterEngine`` resolves it."""
     refs, limits = [], []
     lc = LongContextConfig(**REGIONS)
-    for role, (blocks, host) in pools.items():
+    for i, (role, blocks, host) in enumerate(pools):
         mine = dataclasses.replace(lc, host_kv_bytes=host * BLOCK_BYTES)
         spec = WorkerSpec(path, None, "float32", "cpu", 0, "torch",
                           CacheConfig(kv_cache_bytes=blocks * BLOCK_BYTES), None, 1,
@@ -34,11 +36,11 @@ def _cell(path: str, pools: dict[str, tuple[int, int]]) -> GlobalScheduler:
         worker = Worker(spec, role, "node-a")
         info = worker.info()
         assert (info.num_blocks, info.host_blocks) == (blocks, host)
-        refs.append(WorkerRef(f"{role}-0", Role(role), LocalHandle(worker), info.num_blocks,
+        refs.append(WorkerRef(f"{role}-{i}", Role(role), LocalHandle(worker), info.num_blocks,
                               info.host_blocks, info.place))
         limits += [blocks * 16, lc.longest_context(host, 16)]
     return GlobalScheduler(refs, CellConfig(SchedulerConfig(), 16, min(limits),
-                                            info.eos_token_ids, long_context=lc))
+                                            info.eos_token_ids, long_context=lc, **kw))
 
 
 def test_a_sequence_offloaded_where_it_decodes_finishes_there(tiny_long_factory):
@@ -55,7 +57,7 @@ def test_a_sequence_offloaded_where_it_decodes_finishes_there(tiny_long_factory)
     llm = make_llm(path, REGIONS)
     alone = {rid: llm.generate([{"prompt_token_ids": p}], params[rid])[0].outputs[0].token_ids
              for rid, p in (("a", a), ("b", b))}
-    gs = _cell(path, {"prefill": (512, 256), "decode": (31, 26)})
+    gs = _cell(path, [("prefill", 512, 256), ("decode", 31, 26)])
 
     async def main():
         await gs.start()
@@ -71,3 +73,48 @@ def test_a_sequence_offloaded_where_it_decodes_finishes_there(tiny_long_factory)
     assert out == alone
     assert prefill.tier_stats.offloaded_blocks > 0          # b went to offload mode there
     assert (prefill.kv_sent.count, prefill.kv_sent.failures, stats.num_recovered) == (1, 0, 0)
+
+
+def test_a_draining_long_context_worker_moves_all_but_its_offloaded_sequences(
+        tiny_long_factory):
+    """Two decode workers prefill their own prompts; each gets one dense, one sparse and
+    one offloaded sequence. Draining decode-0 after every sequence's first tokens hands
+    its dense and sparse ones to decode-1 (the sparse one crosses into offload mode
+    there) and finishes the offloaded one in place. Every text equals the one-process
+    engine's, nothing is recomputed, and decode-0 leaves the cell."""
+    path = tiny_long_factory("llama").path
+    g = torch.Generator().manual_seed(5)
+    lengths = {"d0": 90, "d1": 100, "s0": 350, "s1": 340, "o0": 420, "o1": 410}
+    prompts = {rid: torch.randint(3, 256, (n,), generator=g).tolist()
+               for rid, n in lengths.items()}
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = make_llm(path, REGIONS)
+    alone = {rid: llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
+             for rid, p in prompts.items()}
+    gs = _cell(path, [("decode", 512, 256), ("decode", 512, 256)], prefill_threshold=1000)
+
+    async def main():
+        await gs.start()
+        for rid, p in prompts.items():   # placed in turns: decode-0 takes d0, s0, o0
+            await gs.submit(rid, p, params)
+        out: dict[str, list[int]] = {rid: [] for rid in prompts}
+        while min(map(len, out.values())) < 2:
+            for rid, (ups, _, _) in (await gs.get_updates(sorted(prompts), 5.0)).items():
+                out[rid] += [t for u in ups for t in u.new_token_ids]
+        drained = gs.workers[0]
+        placed = {s.request_id: drained.batch.tiers.holds_host_blocks(s.seq_id)
+                  for s in drained.batch.running}
+        assert await gs.drain("decode-0") is WorkerState.REMOVED
+        for rid, tokens in (await _finish(gs, list(prompts))).items():
+            out[rid] += tokens
+        stats = await gs.stats()
+        await gs.shutdown()
+        return out, placed, stats
+
+    out, placed, stats = asyncio.run(main())
+    assert placed == {"d0": False, "s0": False, "o0": True}
+    assert out == alone
+    assert (stats.num_migrated, stats.num_recovered) == (2, 0)
+    (peer,) = stats.workers
+    assert peer.worker_id == "decode-1" and peer.kv_received.failures == 0
+    assert peer.tier_stats.offloaded_blocks > 0     # the sparse ones crossed over there
