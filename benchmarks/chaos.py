@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.http_load import free_port, project_spec, running_server
+from benchmarks.metric_samples import scrape, total
 
 WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while",
          "seven", "wizards", "quietly", "judge", "boxing", "matches", "near", "river")
@@ -133,23 +133,6 @@ async def one(client: httpx.AsyncClient, base: str, path: str, body: dict[str, A
             tally["violations"] += not obeys(body, choice)
 
 
-Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def metrics(base: str) -> Series:
-    """The server's Prometheus samples, by name and labels."""
-    text = httpx.get(f"{base}/metrics", timeout=60).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _sum(series: Series, name: str, label_value: str | None = None) -> float:
-    """The samples of ``name`` summed: those with ``label_value`` among their labels'
-    values, when it is given."""
-    return sum(v for (n, labels), v in series.items()
-               if n == name and (label_value is None or label_value in dict(labels).values()))
-
-
 async def _traffic(base: str, model: str, args: argparse.Namespace) -> Counter:
     rng = random.Random(args.seed)
     jobs = [(*make_request(rng, model, args.long), rng.random() < args.cut)
@@ -172,33 +155,34 @@ def run(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
         return httpx.post(f"{base}/v1/completions", json=greedy,
                           timeout=300).json()["choices"][0]["text"]
 
-    before_text, before = answer(), metrics(base)
+    before_text, before = answer(), scrape(base)
     start = time.monotonic()
     tally = asyncio.run(_traffic(base, model, args))
     seconds = time.monotonic() - start
     deadline = time.monotonic() + 120
     while True:   # idle: nothing running or waiting (drops reach workers with a step)
-        after = metrics(base)
-        busy = _sum(after, "vllm:num_requests_running") + _sum(after, "vllm:num_requests_waiting")
+        after = scrape(base)
+        busy = (total(after, "vllm:num_requests_running")
+                + total(after, "vllm:num_requests_waiting"))
         restored = all(after.get(k) == before.get(k) for k in before if k[0] in RESTORED)
         if (not busy and restored) or time.monotonic() > deadline:
             break
         time.sleep(1)
     checks = {
         "no 5xx": tally[500] == 0,
-        "no internal errors": _sum(after, "llm_cluster_errors_total", "internal_error")
-        == _sum(before, "llm_cluster_errors_total", "internal_error"),
+        "no internal errors": total(after, "llm_cluster_errors_total", kind="internal_error")
+        == total(before, "llm_cluster_errors_total", kind="internal_error"),
         "constraints kept": tally["violations"] == 0,
         "tiers restored": restored,
         "idle": busy == 0,
-        "no transfer failures": _sum(after, "llm_cluster_kv_transfer_failures_total")
-        == _sum(before, "llm_cluster_kv_transfer_failures_total"),
+        "no transfer failures": total(after, "llm_cluster_kv_transfer_failures_total")
+        == total(before, "llm_cluster_kv_transfer_failures_total"),
         "greedy unchanged": answer() == before_text,
     }
     return {"requests": args.requests, "seconds": round(seconds, 1),
             "responses": {str(k): v for k, v in sorted(tally.items(), key=str)},
-            "preemptions": _sum(after, "vllm:num_preemptions_total")
-            - _sum(before, "vllm:num_preemptions_total"),
+            "preemptions": total(after, "vllm:num_preemptions_total")
+            - total(before, "vllm:num_preemptions_total"),
             "checks": checks}
 
 

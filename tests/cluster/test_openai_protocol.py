@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.metric_samples import parse
 from cluster import metrics
 from cluster.config import EngineConfig, config_from_dict, load_config, with_default_pools
 from cluster.openai_protocol import (
@@ -158,12 +158,7 @@ def test_metrics_render_transports_migrations_pools_and_tiers():
     stats = CellStats([worker], num_requests=4, num_waiting=1, num_handoffs=0,
                       num_recovered=0, num_migrated=5, ttft_s=0.5, pools=[pool])
 
-    def samples() -> dict[tuple[str, tuple], float]:
-        text = metrics.render(stats, "m").decode()
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
-
-    got = samples()
+    got = parse(metrics.render(stats, "m").decode())
     m = (("model_name", "m"),)
     w = (("model_name", "m"), ("role", "decode"), ("worker", "decode-0"))
     assert got[("llm_cluster_kv_transfers_total", w)] == 3
@@ -185,7 +180,7 @@ def test_metrics_render_transports_migrations_pools_and_tiers():
     worker.tiers = TierUsage(host_blocks=64, host_used=16, offloaded_seqs=2, sparse_seqs=1)
     worker.tier_stats = TierStats(offloaded_blocks=40, received_blocks=8,
                                   recalled_blocks=96, recall_hits=32)
-    got = samples()
+    got = parse(metrics.render(stats, "m").decode())
     assert got[("llm_cluster_host_kv_usage_ratio", w)] == 0.25
     assert got[("llm_cluster_num_requests_offloaded", w)] == 2
     assert got[("llm_cluster_kv_offloaded_blocks_total", w)] == 40

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmarks.metric_samples import scrape, total
 from cluster.config import config_from_dict, with_default_pools
 from scheduler.protocol import SamplingParams
 
@@ -276,16 +277,6 @@ def test_api_key_is_required_where_configured(server):
     assert httpx.get(f"{server}/v1/models", timeout=_START_TIMEOUT_S).status_code == 200
 
 
-def _metric(server: str, prefix: str, name: str) -> dict[str, float]:
-    text = httpx.get(f"{server}{prefix}/metrics", timeout=_START_TIMEOUT_S).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(f"llm_cluster_{name}"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
 def _wait_for(check, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -313,8 +304,8 @@ def test_overload_is_503_with_retry_after_and_loses_nothing(server):
         assert next(line for line in lines if line.startswith("data:"))
         thread = threading.Thread(target=waiter)
         thread.start()
-        _wait_for(lambda: sum(_metric(server, "/limited", "num_requests_waiting").values())
-                  >= 1)
+        waiting = "llm_cluster_num_requests_waiting"
+        _wait_for(lambda: total(scrape(f"{server}/limited"), waiting) >= 1)
         refused = _post(url, {"model": MODEL, "prompt": "Hi", "max_tokens": 4}, auth)
         err = _error(refused, 503)
         assert err["code"] == "overloaded" and "max_waiting=1" in err["message"]
@@ -333,14 +324,14 @@ def test_a_client_that_disconnects_gives_its_blocks_back(server):
         lines = resp.iter_lines()   # left suspended: leaving the loop would close it
         for _ in range(6):
             next(lines)
-        _wait_for(lambda: sum(_metric(server, "", "kv_cache_usage_ratio").values()) > 0)
+        _wait_for(lambda: total(scrape(server), "llm_cluster_kv_cache_usage_ratio") > 0)
     # a non-streaming request whose client gives up
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json={**body, "prompt": "Another story"}, timeout=3.0)
 
     def idle() -> bool:
-        return (sum(_metric(server, "", "kv_cache_usage_ratio").values()) == 0
-                and sum(_metric(server, "", "num_requests_running").values()) == 0)
+        return (total(scrape(server), "llm_cluster_kv_cache_usage_ratio") == 0
+                and total(scrape(server), "llm_cluster_num_requests_running") == 0)
 
     _wait_for(idle)
 

@@ -20,8 +20,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.metric_samples import Samples, scrape, total
 from cluster.config import config_from_dict, with_default_pools
 from tests.cluster.server_process import popen_stoppable_by_sigint
 
@@ -63,26 +63,16 @@ def _post(url: str, body: dict) -> httpx.Response:
     return httpx.post(url, json=body, timeout=_TIMEOUT_S)
 
 
-def _counters(server: str) -> dict[tuple[str, tuple], float]:
-    """Every counter and histogram sample of one scrape, by name and labels."""
-    text = httpx.get(f"{server}/metrics", timeout=_TIMEOUT_S).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            if family.type in ("counter", "histogram") for s in family.samples}
-
-
-def _value(sample: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
-    return sum(v for (n, lab), v in sample.items()
-               if n == name and set(labels.items()) <= set(lab))
-
-
 # ---- metrics with two router replicas --------------------------------------------------
+COUNTS = ("counter", "histogram")   # the families whose samples never decrease
+
+
 def test_metrics_add_up_across_two_router_replicas_under_load(server, client):
     from ray import serve
 
     router = serve.status().applications["default"].deployments["Router"]
     assert router.replica_states.get("RUNNING") == 2
-    before = _counters(server)
+    before = scrape(server, COUNTS)
     prompts = [f"Count from {i} to {i + 5}:" for i in range(12)]
     usages: list = []
     lock = threading.Lock()
@@ -98,18 +88,18 @@ def test_metrics_add_up_across_two_router_replicas_under_load(server, client):
         t.start()
     scrapes = []
     for _ in range(20):
-        scrapes.append(_counters(server))
+        scrapes.append(scrape(server, COUNTS))
         time.sleep(0.1)
     for t in threads:
         t.join()
-    scrapes.append(_counters(server))
+    scrapes.append(scrape(server, COUNTS))
     for older, newer in zip([before, *scrapes], scrapes):
         for key, value in older.items():
             assert newer.get(key, 0.0) >= value, (key, value, newer.get(key))
     after = scrapes[-1]
 
     def delta(name: str, **labels: str) -> float:
-        return _value(after, name, **labels) - _value(before, name, **labels)
+        return total(after, name, **labels) - total(before, name, **labels)
 
     n = len(prompts)
     assert delta("vllm:request_success_total", model_name=MODEL) == n
@@ -124,14 +114,14 @@ def test_metrics_add_up_across_two_router_replicas_under_load(server, client):
 
 
 def test_refusals_are_counted_once_whichever_replica_refused(server):
-    before = _value(_counters(server), "llm_cluster_errors_total", kind="unsupported_field")
+    def counted() -> float:
+        samples = scrape(server, COUNTS)
+        return total(samples, "llm_cluster_errors_total", kind="unsupported_field")
+
+    before = counted()
     for _ in range(6):
         assert _post(f"{server}/v1/completions",
                      {"model": MODEL, "prompt": "Hi", "bogus": 1}).status_code == 400
-
-    def counted() -> float:
-        return _value(_counters(server), "llm_cluster_errors_total", kind="unsupported_field")
-
     deadline = time.monotonic() + 60   # the count is sent without waiting for it
     while counted() - before < 6:
         assert time.monotonic() < deadline, counted() - before
@@ -320,22 +310,17 @@ def test_serve_applies_vllm_flags(tmp_path, free_ports):
                               json={"model": "vllm-style", "prompt": prompt, "max_tokens": 2})
             assert resp.status_code == 200, resp.text
 
-        def scrape() -> dict[tuple[str, tuple], float]:
-            text = httpx.get(f"{url}/metrics", timeout=60).text
-            return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                    for f in text_string_to_metric_families(text) for s in f.samples}
-
-        def free_blocks(samples: dict[tuple[str, tuple], float]) -> list[float]:
+        def free_blocks(samples: Samples) -> list[float]:
             return [v for (name, _), v in samples.items()
                     if name == "llm_cluster_kv_cache_free_blocks"]
 
-        samples = scrape()
+        samples = scrape(url)
         while free_blocks(samples) != [pool_bytes // block_bytes] * 2:   # all given back
             assert time.monotonic() < deadline, free_blocks(samples)
             time.sleep(0.5)
-            samples = scrape()
-        assert _value(samples, "vllm:prefix_cache_hits_total") == 0   # caching is off
-        assert _value(samples, "vllm:prefix_cache_queries_total") > 0
+            samples = scrape(url)
+        assert total(samples, "vllm:prefix_cache_hits_total") == 0   # caching is off
+        assert total(samples, "vllm:prefix_cache_queries_total") > 0
     finally:
         proc.send_signal(signal.SIGINT)
         try:

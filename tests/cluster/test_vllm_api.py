@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.metric_samples import parse
 from cluster import metrics
 from cluster.cli import build_parser, main
 from cluster.config import ConfigError, config_from_dict, load_config, with_overrides
@@ -200,11 +200,6 @@ def _worker(worker_id: str, role: str, **kw: Any) -> WorkerReport:
     return WorkerReport(worker_id, Role(role), **{**base, **kw})
 
 
-def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def test_serving_stats_latencies_by_hand():
     stats, times = ServingStats(), RequestTimes(arrival=10.0)
     stats.tokens(times, num_prompt_tokens=12, num_new=1, now=10.5)   # ttft 0.5
@@ -230,7 +225,7 @@ def test_metrics_carry_vllm_names_and_the_scheduler_values():
                                state=WorkerState.LOST)],
                       num_requests=0, num_waiting=4, num_handoffs=0, num_recovered=1,
                       serving=serving)
-    s = _samples(metrics.render(stats, "tiny").decode())
+    s = parse(metrics.render(stats, "tiny").decode())
     m = (("model_name", "tiny"),)
     assert s[("vllm:prompt_tokens_total", m)] == 10
     assert s[("vllm:generation_tokens_total", m)] == 10
