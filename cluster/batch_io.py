@@ -89,12 +89,10 @@ def read_rows(path: Path) -> Iterator[InputRow]:
     each named once in a warning (a misspelt ``max_token`` would otherwise pass
     unnoticed)."""
     values = _parquet_values(path) if input_format(path) == "parquet" else _json_values(path)
-    ignored: set[str] = set()
     for index, value in enumerate(values):
         if isinstance(value, str):
             yield InputRow(index, str(index), {}, value)
             continue
-        _warn_unread(value.keys(), ignored)
         row_id = value.get("id")
         yield InputRow(index, str(index) if row_id is None else str(row_id),
                        {k: v for k, v in value.items() if k in INPUT_COLUMNS and k != "id"})
@@ -119,7 +117,10 @@ def _warn_unread(names: Iterable[str], warned: set[str]) -> None:
 
 
 def _json_values(path: Path) -> Iterator[dict[str, Any] | str]:
-    """Each non-blank line's object, or why the line is not one."""
+    """Each non-blank line's object, or why the line is not one. Each line may have
+    keys of its own, so each is checked for unread ones (a Parquet file's columns are
+    checked once)."""
+    warned: set[str] = set()
     with path.open("rb") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -129,9 +130,12 @@ def _json_values(path: Path) -> Iterator[dict[str, Any] | str]:
             except ValueError as e:
                 yield f"line {number} is not valid JSON ({e}); expected one JSON object"
                 continue
-            yield value if isinstance(value, dict) else (
-                f"line {number} is a JSON {type(value).__name__}; expected an object with "
-                "'prompt' or 'messages'")
+            if not isinstance(value, dict):
+                yield (f"line {number} is a JSON {type(value).__name__}; expected an object "
+                       "with 'prompt' or 'messages'")
+                continue
+            _warn_unread(value.keys(), warned)
+            yield value
 
 
 def _check_columns(path: Path, names: list[str]) -> None:
