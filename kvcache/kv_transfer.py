@@ -122,13 +122,15 @@ class ImportedBlocks:
 
 def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
-                  meta: KVLayoutMeta, summaries: torch.Tensor | None = None) -> pa.RecordBatch:
+                  meta: KVLayoutMeta, summaries: torch.Tensor | None = None,
+                  host: HostRows | None = None) -> pa.RecordBatch:
     """The blocks ``block_ids`` (in sequence order, any suffix of a sequence) as a KV batch,
-    with their ``summaries`` [n, L, S, KVH, D] when given."""
+    with their ``summaries`` [n, L, S, KVH, D] when given; the ``host`` rows (a sequence
+    in offload mode) come from the host tier's blocks."""
     _check_pool(kv_caches, meta)
-    n = len(block_ids)
+    n = len(block_ids) + (len(host.block_ids) if host else 0)
     if len(block_hashes) != n or len(token_counts) != n:
-        raise ValueError(f"export_blocks: {n} block ids, {len(block_hashes)} hashes and "
+        raise ValueError(f"export_blocks: {n} blocks, {len(block_hashes)} hashes and "
                          f"{len(token_counts)} token counts; expected one of each per block")
     _check_token_counts(token_counts, meta.block_size)
     counts = np.asarray(token_counts, dtype=np.int32)
@@ -139,13 +141,13 @@ def export_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
     # Row-major (block, layer, k/v, ...): every row is one contiguous tensor cell.
     row_shape = (meta.num_layers, 2, _block_elems(meta))
     flat = _STAGING.take(n * math.prod(row_shape) * pool_dtype.itemsize)
-    host = torch.from_numpy(flat).view(pool_dtype).view(n, *row_shape)
+    staged = torch.from_numpy(flat).view(pool_dtype).view(n, *row_shape)
     # The gather writes straight into the rows (no temporary); a device pool is
     # gathered on the device and crosses to the host in one transfer.
-    rows = host if device.type == "cpu" else torch.empty_like(host, device=device)
-    gather_rows(kv_caches, ids, rows)
-    if rows is not host:
-        host.copy_(rows)
+    rows = staged if device.type == "cpu" else torch.empty_like(staged, device=device)
+    gather_rows(kv_caches, ids, rows, host)
+    if rows is not staged:
+        staged.copy_(rows)
     flat = flat.view(value_type.to_pandas_dtype())
 
     hashes = list(block_hashes)

@@ -78,9 +78,14 @@ class WorkerPlace:
 
 @dataclass(frozen=True)
 class HandoffPlan:
+    """How one export is made. Its rows from ``host_first_row`` on, one per
+    ``host_block_ids``, come from the sender's host tier (a sequence in offload mode)."""
+
     transport: Transport
     parts: int   # KV batches the sender returns (object store: each <= MAX_PART_BYTES)
     tensor_transport: str | None = None   # DEVICE: the Ray Direct Transport that carries it
+    host_first_row: int = 0
+    host_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,18 +104,23 @@ class HandoffInfo:
         return f"{self.transport.value}:{self.tensor_transport}"
 
 
-def plan_handoff(src: WorkerPlace | None, dst: WorkerPlace | None, num_blocks: int) -> HandoffPlan:
+def plan_handoff(src: WorkerPlace | None, dst: WorkerPlace | None, num_blocks: int,
+                 host_first_row: int = 0, host_block_ids: Sequence[int] = ()) -> HandoffPlan:
     """A device transport both workers have; else shared memory when both pools are in
     shared segments on one node; else the object store. A worker whose place is unknown
-    gets the object store in one part."""
+    gets the object store in one part. Rows from the sender's host tier
+    (``HandoffPlan``'s) lie in no shared segment and on no device: an export with any
+    goes through the object store."""
+    host = {"host_first_row": host_first_row, "host_block_ids": tuple(host_block_ids)}
     if src is None or dst is None:
-        return HandoffPlan(Transport.OBJECT_STORE, 1)
-    if src.tensor_transport is not None and src.tensor_transport == dst.tensor_transport:
-        return HandoffPlan(Transport.DEVICE, 1, src.tensor_transport)
-    if src.node_id == dst.node_id and src.segment is not None and dst.segment is not None:
-        return HandoffPlan(Transport.SHARED_MEMORY, 1)
+        return HandoffPlan(Transport.OBJECT_STORE, 1, **host)
+    if not host_block_ids:
+        if src.tensor_transport is not None and src.tensor_transport == dst.tensor_transport:
+            return HandoffPlan(Transport.DEVICE, 1, src.tensor_transport)
+        if src.node_id == dst.node_id and src.segment is not None and dst.segment is not None:
+            return HandoffPlan(Transport.SHARED_MEMORY, 1)
     return HandoffPlan(Transport.OBJECT_STORE,
-                       max(1, math.ceil(num_blocks * src.block_bytes / MAX_PART_BYTES)))
+                       max(1, math.ceil(num_blocks * src.block_bytes / MAX_PART_BYTES)), **host)
 
 
 def part_bounds(num_rows: int, parts: int) -> list[tuple[int, int]]:

@@ -37,8 +37,34 @@ def block_id_fault(ids: np.ndarray, num_blocks: int, distinct: bool) -> str | No
     return None
 
 
-def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor) -> None:
-    """Blocks ``ids`` (on the pool's device) into ``rows`` [n, L, 2, elems], on that device."""
+def batch_part(block_ids: Sequence[int], host: HostRows | None, start: int,
+               end: int) -> tuple[list[int], HostRows | None]:
+    """Rows ``[start, end)`` of a KV batch whose rows are pool blocks ``block_ids`` with
+    the ``host`` rows among them: that part's pool blocks and its host rows (counted
+    from ``start``). Rows past the blocks given name none (a batch too long for them
+    fails its import's checks)."""
+    h0, nh = (host.first_row, len(host.block_ids)) if host else (end, 0)
+    lo, hi = max(start, h0), min(end, h0 + nh)
+    ids = [block_ids[i] for i in (r if r < h0 else r - nh for r in range(start, end)
+                                  if not h0 <= r < h0 + nh) if i < len(block_ids)]
+    part = HostRows(lo - start, host.block_ids[lo - h0:hi - h0], host.kv) \
+        if host and lo < hi else None
+    return ids, part
+
+
+def gather_rows(kv_caches: Sequence[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor,
+                host: HostRows | None = None) -> None:
+    """Blocks ``ids`` (on the pool's device) into ``rows`` [n, L, 2, elems], on that
+    device, except the ``host`` rows, which come from host-tier blocks."""
+    if host is not None:
+        h0, nh = host.first_row, len(host.block_ids)
+        for part_ids, part_rows in ((ids[:h0], rows[:h0]), (ids[h0:], rows[h0 + nh:])):
+            if part_ids.numel():
+                gather_rows(kv_caches, part_ids, part_rows)
+        picked = host.kv.index_select(2, torch.as_tensor(host.block_ids))
+        rows[h0:h0 + nh].view(nh, *host.kv.shape[:2], *host.kv.shape[3:]).copy_(
+            picked.permute(2, 0, 1, 3, 4, 5))
+        return
     row_words = as_words(rows)
     slabs = pool_slabs(kv_caches)
     if slabs is not None:

@@ -118,9 +118,8 @@ class GlobalScheduler:
     async def drain(self, worker_id: str) -> WorkerState:
         """Take a worker out of the cell without failing anything: it takes no new work,
         finishes its prefills, and its running sequences move to serving peers by KV
-        handoff (recomputed there only when a handoff fails; those ``_start_handoff``
-        keeps finish in place). Returns once it holds nothing (``REMOVED``: its actor
-        may go) or died meanwhile (``LOST``)."""
+        handoff (recomputed there only when a handoff fails). Returns once it holds
+        nothing (``REMOVED``: its actor may go) or died meanwhile (``LOST``)."""
         w = next((w for w in self.workers if w.worker_id == worker_id and w.alive), None)
         if w is None:
             known = ", ".join(x.worker_id for x in self.workers if x.alive)
@@ -138,8 +137,8 @@ class GlobalScheduler:
         return w.state
 
     def _drain_step(self, w: CellWorker) -> None:
-        """Between two steps of a draining worker: move its decoding sequences to peers
-        (``_start_handoff`` says which stay), and leave once it holds nothing."""
+        """Between two steps of a draining worker: move its decoding sequences to peers,
+        and leave once it holds nothing."""
         for seq in [s for s in w.batch.running if s.num_tokens - s.num_computed_tokens == 1]:
             self._start_handoff(w, seq, migration=True)
         if not w.batch.seqs and not w.outgoing:
@@ -343,12 +342,10 @@ class GlobalScheduler:
         one, or (``migration``) one running on a draining worker.
 
         The worker holding its pushed blocks comes first (``prefix_push``). Without a
-        serving decode worker with room, the sequence decodes where it is, and so does
-        one whose middle that worker has moved to its host tier. The export is submitted
-        here, before the source's next step, so it never waits behind another prefill.
+        serving decode worker with room, the sequence decodes where it is. The export is
+        submitted here, before the source's next step, so it never waits behind another
+        prefill.
         """
-        if src.batch.tiers is not None and src.batch.tiers.holds_host_blocks(seq.seq_id):
-            return
         pushed = self.pushes.holder(seq) if self.pushes is not None else None
         holder = pushed.dst if pushed else None
         handoff = None

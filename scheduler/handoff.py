@@ -6,10 +6,11 @@ memory on one node, else the object store, in parts), the receiver imports that
 export; the sender frees its blocks (they stay in
 its prefix cache) only after the receiver has acknowledged. Blocks a prefix push is
 still moving to the receiver are shared, not sent twice: the handoff waits for that
-push and sends them itself only if it failed. Bytes never pass here: the
-sender's handle makes an export and the receiver's handle takes it. A prefilled
-sequence leaving a prefill worker and a running one leaving a draining worker move
-the same way.
+push and sends them itself only if it failed. A sequence in offload mode sends its
+middle from the sender's host tier, whose blocks are held until the end as its pool's
+are. Bytes never pass here: the sender's handle makes an export and the receiver's
+handle takes it. A prefilled sequence leaving a prefill worker and a running one
+leaving a draining worker move the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Handoff:
     export: KVExport | None   # None: the receiver held everything already
     block_size: int
     push: InFlightPush | None = None   # a push still filling blocks this handoff shares
+    # the sender's host blocks (table index of the first, ids), freed with its pool's
+    lent: tuple[int, list[int]] = (0, [])
 
     @classmethod
     def begin(cls, src: CellWorker, dst: CellWorker, seq: Sequence, block_size: int,
@@ -92,11 +95,13 @@ class Handoff:
         dst.kv.stats.record(seq.num_computed_tokens, max(len(cached) - pushed, 0) * block_size)
         host = HostRows(middle[0] - len(cached), tiers.receive(seq.seq_id, middle)) \
             if middle else HostRows(0, [])
+        lent = src.batch.tiers.lend_host_blocks(seq.seq_id) if src.batch.tiers else (0, [])
         src.batch.detach(seq.seq_id)
         count = len(fresh) + len(host.block_ids)
-        export = submit_export(src, dst, seq, len(cached), count, block_size) if count else None
+        export = (submit_export(src, dst, seq, len(cached), count, block_size, lent)
+                  if count else None)
         src.outgoing += 1
-        return cls(src, dst, seq, fresh, host, export, block_size, push)
+        return cls(src, dst, seq, fresh, host, export, block_size, push, lent)
 
     async def run(self, timeout_s: float) -> Outcome:
         """Move the KV. Failures are counted and logged."""
@@ -132,6 +137,8 @@ class Handoff:
     def release_source(self) -> None:
         """The sender's part is over (moved or not): free its blocks."""
         self.src.kv.free(self.seq.seq_id)
+        if self.lent[1]:
+            self.src.batch.tiers.free_lent(self.lent[1])
         self.src.outgoing -= 1
         self.src.wake.set()
 
@@ -158,7 +165,7 @@ class Handoff:
         if await asyncio.wait_for(asyncio.shield(p.landed), timeout_s):
             return 0
         export = submit_export(self.src, self.dst, self.seq, p.first, len(p.block_ids),
-                               self.block_size)
+                               self.block_size, self.lent)
         info, _ = await asyncio.wait_for(move(export, self.dst, p.block_ids, HostRows(0, [])),
                                          timeout_s)
         return info.nbytes
@@ -175,14 +182,19 @@ async def move(export: KVExport, dst: CellWorker, fresh: list[int],
 
 
 def submit_export(src: CellWorker, dst: CellWorker, seq: Sequence, first: int, count: int,
-                  block_size: int) -> KVExport:
+                  block_size: int, lent: tuple[int, list[int]] = (0, [])) -> KVExport:
     """Submit the export of ``count`` of the sequence's computed blocks from block
-    ``first`` on, through the transport the two workers share."""
-    blocks = src.kv.block_ids(seq.seq_id)[first:first + count]
+    ``first`` on, through the transport the two workers share; those among ``lent``'s
+    (the table index of the first, ids) come from the sender's host tier."""
+    table = src.kv.block_ids(seq.seq_id)[first:first + count]
+    at, lent_ids = lent
+    lo, hi = max(first, at), min(first + count, at + len(lent_ids))
+    host_ids = lent_ids[lo - at:hi - at] if lo < hi else []
+    blocks = table[:lo - first] + table[hi - first:] if host_ids else table
     hashes = src.kv.block_hashes(seq.seq_id)
     n = seq.num_computed_tokens
     counts = [min(block_size, n - i * block_size) for i in range(first, first + count)]
     block_hashes = [hashes[i] if c == block_size and i < len(hashes) else None
                     for i, c in zip(range(first, first + count), counts)]
-    plan = plan_handoff(src.ref.place, dst.ref.place, count)
+    plan = plan_handoff(src.ref.place, dst.ref.place, count, lo - first, host_ids)
     return src.handle.export_kv(blocks, block_hashes, counts, plan)

@@ -88,11 +88,19 @@ class TierPlanner:
         self._seqs[seq_id] = _Tiers(KVMode.DENSE, first, list(ids), num_received=len(ids))
         return ids
 
-    def holds_host_blocks(self, seq_id: str) -> bool:
-        """Whether part of the sequence's KV is in this worker's host tier (its device
-        table reads -1 there), which a KV handoff cannot export."""
+    def lend_host_blocks(self, seq_id: str) -> tuple[int, list[int]]:
+        """The host blocks of a sequence a handoff takes away (the table index of the
+        first, their ids), which its export reads: they leave the sequence, so that
+        releasing it keeps them, and stay taken until ``free_lent`` once the export is
+        done, as its device blocks do."""
         t = self._seqs.get(seq_id)
-        return t is not None and bool(t.host_ids)
+        if t is None or not t.host_ids:
+            return 0, []
+        ids, t.host_ids = t.host_ids, []
+        return t.host_first, ids
+
+    def free_lent(self, host_ids: list[int]) -> None:
+        self.host.free(reversed(host_ids))
 
     # ---- a decode step -------------------------------------------------------------
     def prepare(self, seq_id: str, context_len: int) -> bool:

@@ -41,6 +41,7 @@ from kvcache.kv_transport import (
     transport_of,
 )
 from kvcache.long_context import LongContextConfig
+from kvcache.pool_rows import batch_part
 from kvcache.shm_segment import PeerSegments
 from scheduler.protocol import Role, StepPlan, decode, encode
 from workers.device import resolve_device
@@ -132,11 +133,22 @@ class Worker:
         """The blocks as ``plan``'s KV batches (default: one, with its payload), after what
         the scheduler learns from: the transport and payload size. Called with one return
         per item, so the scheduler learns the export is done without fetching a batch,
-        and owns the batches (the object store frees them with its last reference)."""
+        and owns the batches (the object store frees them with its last reference).
+        ``block_ids`` are the pool's rows; the plan's host rows are read from the host
+        tier, and then no summaries are sent (those rows' pool summaries went with their
+        blocks): the receiver recomputes them all from the keys."""
         plan = plan or HandoffPlan(Transport.OBJECT_STORE, 1)
         lc = self.runner.long_context
-        summaries = lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1) if lc else None
-        nbytes = len(block_ids) * self.runner.kv_shape.bytes_per_block
+        host = None
+        if plan.host_block_ids:
+            if lc is None or plan.transport is not Transport.OBJECT_STORE:
+                raise ValueError(f"plan: {len(plan.host_block_ids)} rows from the host tier "
+                                 f"through {plan.transport.value}; expected the object "
+                                 "store, of a worker with long contexts on")
+            host = HostRows(plan.host_first_row, list(plan.host_block_ids), lc.host.kv)
+        summaries = (lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1)
+                     if lc and host is None else None)
+        nbytes = len(block_hashes) * self.runner.kv_shape.bytes_per_block
         if plan.transport is Transport.SHARED_MEMORY:
             segment, sums = self.runner.kv_segment, self.runner.kv_checksums
             if segment is None or sums is None:
@@ -154,13 +166,15 @@ class Worker:
             batches = [batch]
         else:
             def copy(a: int, b: int) -> pa.RecordBatch:
-                return export_blocks(self.runner.kv_caches, block_ids[a:b], block_hashes[a:b],
+                ids, rows_in_host = batch_part(block_ids, host, a, b)
+                return export_blocks(self.runner.kv_caches, ids, block_hashes[a:b],
                                      token_counts[a:b], self.meta,
-                                     None if summaries is None else summaries[a:b])
+                                     None if summaries is None else summaries[a:b],
+                                     rows_in_host)
 
             batches = [copy(a, b) if self.streams is None
                        else self.streams.export(lambda a=a, b=b: copy(a, b))
-                       for a, b in part_bounds(len(block_ids), plan.parts)]
+                       for a, b in part_bounds(len(block_hashes), plan.parts)]
         return (HandoffInfo(plan.transport, nbytes, plan.tensor_transport), *batches)
 
     def send_kv_rows(self, block_ids: list[int]) -> torch.Tensor:
@@ -196,17 +210,11 @@ class Worker:
         if host_ids and lc is None:
             raise ValueError("host_block_ids: this worker has no host tier "
                              "(long_context is disabled)")
-        pool_ids = list(block_ids)
-        pool_ids[host_first_row:host_first_row] = [-1] * len(host_ids)   # row -> pool block
+        whole = HostRows(host_first_row, host_ids, lc.host.kv) if host_ids else None
         imported, first = [], 0
         for part in parts:
-            rows = range(first, first + part.num_rows)
+            ids, host = batch_part(block_ids, whole, first, first + part.num_rows)
             first += part.num_rows
-            in_host = [r for r in rows if host_first_row <= r < host_first_row + len(host_ids)]
-            host = (HostRows(in_host[0] - rows.start,
-                             host_ids[in_host[0] - host_first_row:in_host[-1] - host_first_row + 1],
-                             lc.host.kv) if in_host else None)
-            ids = [pool_ids[r] for r in rows if r < len(pool_ids) and pool_ids[r] >= 0]
             sums = self.runner.kv_checksums
             kind = transport_of(part)
             if kind is Transport.SHARED_MEMORY:
@@ -234,7 +242,6 @@ class Worker:
         if lc is not None:
             if self.streams is not None:  # the summaries read the imported blocks
                 self.streams.before_step(block_ids)
-            whole = HostRows(host_first_row, host_ids, lc.host.kv) if host_ids else None
             lc.receive(self.runner.kv_caches, ImportedBlocks.join(imported), whole)
         return first * self.runner.kv_shape.bytes_per_block
 

@@ -11,6 +11,7 @@ import torch
 
 from kvcache import kv_transfer
 from kvcache.block_hash import hash_block
+from kvcache.host_tier import HostKVStore
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import (
     KVLayoutMeta,
@@ -20,6 +21,7 @@ from kvcache.kv_transfer import (
     import_blocks,
     to_ipc_bytes,
 )
+from kvcache.pool_rows import batch_part
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 # (layers, block size, kv heads, head dim): 1 (MQA), 2 and 4 KV heads (GQA pools)
@@ -319,6 +321,33 @@ def test_summaries_and_host_rows_arrive_bit_exact(via_ipc):
     assert_blocks_equal(dst, [5, 2, 7], src, [6, 0, 3])
     for layer, kv in enumerate(src):
         assert torch.equal(bits(host_kv[layer][:, [3, 0]]), bits(kv[:, [1, 4]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8], ids=str)
+@pytest.mark.parametrize("block_major", [False, True], ids=["layer-major", "block-major"])
+def test_host_rows_are_exported_from_the_host_tier_bit_exact(dtype, block_major):
+    """A sequence in offload mode: its rows 1..2 are in the sender's host tier, the others
+    in its pool. Exported in two parts split inside the host rows (``batch_part``), and
+    imported into a pool, every row is the sender's, bit for bit."""
+    meta = make_meta(dtype)
+    src, dst = make_pool(meta, 8, seed=40, block_major=block_major), make_pool(meta, 8, seed=41)
+    store = HostKVStore(KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads,
+                                meta.head_dim, dtype), 4)
+    store.kv.view(torch.uint8).copy_(torch.randint(
+        0, 256, store.kv.view(torch.uint8).shape, dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(42)))
+    host = kv_transfer.HostRows(1, [2, 0], store.kv)
+    hashes, counts = seq_blocks(meta, 5)
+    got = []
+    for a, b in ((0, 2), (2, 5)):
+        ids, part_host = batch_part([6, 1, 3], host, a, b)
+        got.append((ids, part_host and (part_host.first_row, part_host.block_ids)))
+        batch = export_blocks(src, ids, hashes[a:b], counts[a:b], meta, host=part_host)
+        import_blocks(from_ipc_buffer(to_ipc_bytes(batch)), dst, list(range(a, b)), meta)
+    assert got == [([6], (1, [2])), ([1, 3], (0, [0]))]
+    assert_blocks_equal(dst, [0, 3, 4], src, [6, 1, 3])
+    for layer, kv in enumerate(dst):
+        assert torch.equal(bits(kv[:, [1, 2]]), bits(store.kv[layer][:, [2, 0]]))
 
 
 def test_corrupted_summaries_are_refused():

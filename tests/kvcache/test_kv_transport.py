@@ -336,6 +336,17 @@ def test_same_node_shares_memory_and_another_node_uses_the_object_store_in_parts
     assert plan_handoff(None, here, 5) == HandoffPlan(Transport.OBJECT_STORE, 1)
 
 
+def test_rows_from_the_senders_host_tier_go_through_the_object_store():
+    """They lie in no shared segment and on no device, whatever the pair shares."""
+    handle = SegmentHandle(1, 3, 4, 1 << 30)
+    for place in (WorkerPlace("node-a", 1 << 20, handle),
+                  WorkerPlace("node-a", 1 << 20, None, tensor_transport="nixl")):
+        assert plan_handoff(place, place, 6, 2, [7, 4]) == \
+            HandoffPlan(Transport.OBJECT_STORE, 1, None, 2, (7, 4))
+    per_part = MAX_PART_BYTES // (1 << 20)
+    assert plan_handoff(place, place, per_part + 1, 0, [3]).parts == 2
+
+
 @pytest.mark.parametrize("rows,parts", [(10, 3), (2, 2), (0, 1), (7, 1)])
 def test_parts_cover_every_row_once(rows, parts):
     bounds = part_bounds(rows, parts)

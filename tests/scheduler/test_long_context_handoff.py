@@ -1,6 +1,6 @@
 """Handoffs of long sequences in the in-process cell: a sequence whose middle sits in
-its worker's host tier finishes there, as a handoff reads only the device pool; the
-others move, after a prefill and when their worker drains."""
+its worker's host tier moves like any other, its middle read from that tier, after a
+prefill and when its worker drains."""
 
 from __future__ import annotations
 
@@ -43,12 +43,12 @@ def _cell(path: str, pools: list[tuple[str, int, int]], **kw) -> GlobalScheduler
                                             info.eos_token_ids, long_context=lc, **kw))
 
 
-def test_a_sequence_offloaded_where_it_decodes_finishes_there(tiny_long_factory):
+def test_a_sequence_offloaded_where_it_decodes_moves_once_there_is_room(tiny_long_factory):
     """The decode worker's host tier holds one sequence's middle and its pool not a
     second whole one, so b, prefilled with a, decodes on the prefill worker, in offload
-    mode from its first step. When a finishes, the decode worker has room; b still
-    stays: its middle is in the prefill worker's host tier, which no transport reads.
-    Both end with the one-process engine's tokens, and no handoff failed."""
+    mode from its first step. When a finishes, the decode worker has room, and b moves
+    there with its middle read from the prefill worker's host tier. Both end with the
+    one-process engine's tokens, no handoff failed, and both tiers end empty."""
     path = tiny_long_factory("llama").path
     g = torch.Generator().manual_seed(3)
     a, b = (torch.randint(3, 256, (420,), generator=g).tolist() for _ in range(2))
@@ -72,15 +72,19 @@ def test_a_sequence_offloaded_where_it_decodes_finishes_there(tiny_long_factory)
     prefill, decode = stats.workers
     assert out == alone
     assert prefill.tier_stats.offloaded_blocks > 0          # b went to offload mode there
-    assert (prefill.kv_sent.count, prefill.kv_sent.failures, stats.num_recovered) == (1, 0, 0)
+    assert (prefill.kv_sent.count, prefill.kv_sent.failures, stats.num_recovered) == (2, 0, 0)
+    # a's middle and b's went straight into the decode worker's host tier: 20 blocks
+    # each (32 initial tokens, the local window from token 352 at 421 to 447 tokens)
+    assert decode.tier_stats.received_blocks == 2 * 20
+    assert prefill.tiers.host_used == decode.tiers.host_used == 0
 
 
-def test_a_draining_long_context_worker_moves_all_but_its_offloaded_sequences(
+def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
         tiny_long_factory):
     """Two decode workers prefill their own prompts; each gets one dense, one sparse and
     one offloaded sequence. Draining decode-0 after every sequence's first tokens hands
-    its dense and sparse ones to decode-1 (the sparse one crosses into offload mode
-    there) and finishes the offloaded one in place. Every text equals the one-process
+    all three to decode-1 (the offloaded one's middle from decode-0's host tier; the
+    sparse one crosses into offload mode on decode-1). Every text equals the one-process
     engine's, nothing is recomputed, and decode-0 leaves the cell."""
     path = tiny_long_factory("llama").path
     g = torch.Generator().manual_seed(5)
@@ -102,8 +106,8 @@ def test_a_draining_long_context_worker_moves_all_but_its_offloaded_sequences(
             for rid, (ups, _, _) in (await gs.get_updates(sorted(prompts), 5.0)).items():
                 out[rid] += [t for u in ups for t in u.new_token_ids]
         drained = gs.workers[0]
-        placed = {s.request_id: drained.batch.tiers.holds_host_blocks(s.seq_id)
-                  for s in drained.batch.running}
+        placed = (sorted(s.request_id for s in drained.batch.running),
+                  drained.batch.tiers.usage())
         assert await gs.drain("decode-0") is WorkerState.REMOVED
         for rid, tokens in (await _finish(gs, list(prompts))).items():
             out[rid] += tokens
@@ -112,9 +116,12 @@ def test_a_draining_long_context_worker_moves_all_but_its_offloaded_sequences(
         return out, placed, stats
 
     out, placed, stats = asyncio.run(main())
-    assert placed == {"d0": False, "s0": False, "o0": True}
+    names, usage = placed
+    assert names == ["d0", "o0", "s0"]
+    assert (usage.offloaded_seqs, usage.sparse_seqs, usage.host_used) == (1, 1, 20)
     assert out == alone
-    assert (stats.num_migrated, stats.num_recovered) == (2, 0)
+    assert (stats.num_migrated, stats.num_recovered) == (3, 0)
     (peer,) = stats.workers
     assert peer.worker_id == "decode-1" and peer.kv_received.failures == 0
-    assert peer.tier_stats.offloaded_blocks > 0     # the sparse ones crossed over there
+    assert peer.tier_stats.received_blocks >= 20     # o0's middle, into its host tier
+    assert peer.tiers.host_used == 0

@@ -1,7 +1,7 @@
 """The two tiers' bookkeeping after every step of random workloads: a hypothesis state
 machine over the scheduler of ``tiering_harness`` (adds across the three modes, steps,
-aborts, finishing by ``max_tokens``, preemption under a small device pool and host tier,
-prefix caching on and off).
+aborts, handoffs away, finishing by ``max_tokens``, preemption under a small device pool
+and host tier, prefix caching on and off).
 """
 
 from __future__ import annotations
@@ -86,6 +86,27 @@ class TieringMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.d.sched.requests)))
         updates = self.d.sched.abort(rid)
         assert updates and all(u.finish_reason == "abort" for u in updates)
+
+    @precondition(lambda self: hasattr(self, "d") and any(
+        s.num_tokens - s.num_computed_tokens == 1 for s in self.d.sched.running))
+    @rule(data=st.data())
+    def hand_off(self, data):
+        """A decoding sequence leaves as ``Handoff`` takes it: its host blocks are lent to
+        the export (they are its table's -1 entries) and stay taken after it is
+        detached, until the export is done; then both tiers free them."""
+        sched = self.d.sched
+        seq = data.draw(st.sampled_from(sorted(
+            (s for s in sched.running if s.num_tokens - s.num_computed_tokens == 1),
+            key=lambda s: s.seq_id)))
+        at, lent = sched.tiers.lend_host_blocks(seq.seq_id)
+        table = sched.kv.block_ids(seq.seq_id)
+        assert [i for i, b in enumerate(table) if b == -1] == list(range(at, at + len(lent)))
+        used = sched.tiers.host.num_used_blocks
+        sched.detach(seq.seq_id)
+        assert sched.tiers.host.num_used_blocks == used
+        sched.kv.free(seq.seq_id)
+        sched.tiers.free_lent(lent)
+        assert sched.tiers.host.num_used_blocks == used - len(lent)
 
     @invariant()
     def consistent(self):

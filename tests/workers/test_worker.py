@@ -91,3 +91,12 @@ def test_a_batch_for_another_pool_is_refused_untouched(tiny_factory, other):
 def test_unknown_role_is_refused(tiny_factory):
     with pytest.raises(ValueError, match="role: got 'verifier'; allowed: prefill, decode, mixed"):
         _worker(tiny_factory("llama").path, "verifier")
+
+
+def test_host_rows_need_the_object_store_and_a_host_tier(tiny_factory):
+    worker = _worker(tiny_factory("llama").path)
+    for plan in (HandoffPlan(Transport.OBJECT_STORE, 1, None, 1, (3,)),
+                 HandoffPlan(Transport.SHARED_MEMORY, 1, None, 1, (3,))):
+        with pytest.raises(ValueError, match="1 rows from the host tier through "
+                                             f"{plan.transport.value}; expected the object"):
+            worker.export_kv([0], [None] * 2, [16, 16], plan)
