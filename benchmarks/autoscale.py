@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from benchmarks import metric_samples
 from benchmarks.http_load import (
     HOST,
     free_port,
@@ -46,8 +45,6 @@ from benchmarks.http_load import (
     stream_chat,
 )
 from benchmarks.load_stats import RequestResult, percentile
-
-_SAMPLE = re.compile(r'^llm_cluster_(pool_workers|worker_steps_total)\{([^}]*)\} (\S+)$')
 
 
 @dataclass
@@ -84,21 +81,17 @@ def cell_config(name: str, decode: tuple[int, int, int], args: argparse.Namespac
                                       or args.step_s}}}
 
 
-def scrape(base: str) -> tuple[dict[str, int], dict[str, float]]:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
+def pool_state(samples: metric_samples.Samples) -> tuple[dict[str, int], dict[str, float]]:
+    """Workers per ``role/state`` and steps per worker, from a scrape of the router's
+    /metrics."""
     workers: dict[str, int] = {}
     steps: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        labels = dict(kv.split("=") for kv in m.group(2).split(","))
-        labels = {k: v.strip('"') for k, v in labels.items()}
-        if m.group(1) == "pool_workers":
-            workers[f"{labels['role']}/{labels['state']}"] = int(float(m.group(3)))
-        else:
-            steps[labels["worker"]] = float(m.group(3))
+    for (name, labels), value in samples.items():
+        label = dict(labels)
+        if name == "llm_cluster_pool_workers":
+            workers[f"{label['role']}/{label['state']}"] = int(value)
+        elif name == "llm_cluster_worker_steps_total":
+            steps[label["worker"]] = value
     return workers, steps
 
 
@@ -126,7 +119,8 @@ async def drive(base: str, model: str, levels: Sequence[int], step_s: float,
     async def sampler() -> None:
         last = 0
         while (now := time.perf_counter()) < end + 4 * step_s:
-            workers, steps = await asyncio.to_thread(scrape, base)
+            workers, steps = pool_state(
+                await asyncio.to_thread(metric_samples.scrape, base, None, 30.0))
             n = level(now) if now < end else 0
             if n > last:
                 result.rises.append(now - start)
