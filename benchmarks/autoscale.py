@@ -14,10 +14,13 @@ run, the time from each load rise to the first step of the worker it brought.
 
 ``--migration`` instead measures a drain: 16 running sequences of the default model
 moved off a decode worker by KV handoff (time and bytes), against recomputing the
-same 16 sequences (prompt plus tokens so far) on the peer.
+same 16 sequences (prompt plus tokens so far) on the peer. With ``--long`` they are
+1,400-token windows of real English text decoding in offload mode (long-context
+regions scaled down to the model's window, as ``chaos_long_context.yaml`` has them), so
+each moves with its middle read from the worker's host tier.
 
     python -m cluster bench autoscale [--levels 1 2 4 8 16 32 16 8 4 2 1] [--step-s 15]
-        [--max-tokens 32] [--plot PATH] [--json] | --migration
+        [--max-tokens 32] [--plot PATH] [--json] | --migration [--long]
 """
 
 from __future__ import annotations
@@ -228,25 +231,53 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _long_prompts(tok: Any, count: int, length: int = 1400) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens of the recall benchmark's real text."""
+    from benchmarks.long_context_recall import read_text
+
+    ids = tok.encode(read_text(None)[0])
+    stride = (len(ids) - length) // count
+    return [ids[i * stride:i * stride + length] for i in range(count)]
+
+
 def migration(args: argparse.Namespace) -> dict[str, Any]:
     """16 running sequences moved off a draining decode worker, against recomputing them."""
     from cluster.cluster_engine import ClusterEngine
     from cluster.config import config_from_dict
     from scheduler.protocol import Role, SamplingParams
 
-    config = cell_config("bench-migrate", (1, 1, 2), args)
+    # Fixed pools, so no autoscaler acts (it had drained decode-0 of a long run while it
+    # waited for its prompts); the peer is added by hand.
+    config = cell_config("bench-migrate", (1, 1, 1), args)
     config["cache"]["enable_prefix_caching"] = False   # a recompute must not hit a cache
+    if args.long:
+        config["cache"]["kv_cache_bytes"] = 512 << 20
+        config["long_context"] = {"enabled": True, "initial_tokens": 64,
+                                  "local_tokens": 256, "retrieval_block_size": 32,
+                                  "top_k_percent": 0.2, "dense_boundary": 512,
+                                  "offload_boundary": 1024, "host_kv_bytes": 1 << 30}
     engine = ClusterEngine(config_from_dict(config))
     try:
         tok = engine.tokenizer
-        prompts = [tok.encode(p) for p in make_prompts(16, seed=2)]
-        sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+        prompts = (_long_prompts(tok, 16) if args.long
+                   else [tok.encode(p) for p in make_prompts(16, seed=2)])
+        sp = SamplingParams(temperature=0.0, max_tokens=1024 if args.long else 256,
+                            ignore_eos=True)
         for i, p in enumerate(prompts):
             engine.add_request(f"m{i}", None, p, sp, stream=True)
-        peer = engine.pools.add(Role.DECODE)
-        engine.pools.wait_joined(peer, 600)
+
+        def add_peer() -> str:
+            peer = engine.pools.add(Role.DECODE)
+            engine.pools.wait_joined(peer, 600)
+            return peer
+
+        # Short prompts are all prefilled before a new worker has loaded, so it joins
+        # first; long ones take longer, so it joins once decode-0 holds all 16.
+        peer = None if args.long else add_peer()
         while engine.stats().worker("decode-0").num_running < 16:
             engine.step()
+        peer = peer or add_peer()
+        tiers = engine.stats().worker("decode-0").tiers
         # Each sequence's tokens so far (a long-poll returns all news since the last),
         # taken just before the drain: what it moves, give or take a step.
         seen: dict[str, list[int]] = {}
@@ -272,8 +303,11 @@ def migration(args: argparse.Namespace) -> dict[str, Any]:
         recompute_s = time.perf_counter() - start
     finally:
         engine.shutdown()
-    return {"sequences": 16, "migrate_s": moved_s, "migrate_bytes": after.bytes - before.bytes,
+    return {"sequences": 16, "offloaded": tiers.offloaded_seqs if tiers else 0,
+            "migrate_s": moved_s, "migrate_bytes": after.bytes - before.bytes,
             "handoff_s_sum": after.seconds - before.seconds,
+            "transports": {k: n - before.transports.get(k, 0)
+                           for k, n in after.transports.items()},
             "recompute_tokens": sum(map(len, again)),
             "recompute_s": recompute_s, "recompute_over_migrate": recompute_s / moved_s}
 
@@ -297,6 +331,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
     p.add_argument("--migration", action="store_true",
                    help="measure the 16-sequence migration against recompute instead")
+    p.add_argument("--long", action="store_true",
+                   help="with --migration: sequences in offload mode")
     return p
 
 
