@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from kvcache.kv_transport import HandoffInfo, plan_handoff
 from scheduler.cell_worker import CellWorker
 from scheduler.sequence import Sequence
+from scheduler.tiering import LentBlocks
 from scheduler.worker_handle import KVExport
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ class Handoff:
     export: KVExport | None   # None: the receiver held everything already
     block_size: int
     push: InFlightPush | None = None   # a push still filling blocks this handoff shares
-    # the sender's host blocks (table index of the first, ids), freed with its pool's
-    lent: tuple[int, list[int]] = (0, [])
+    lent: LentBlocks | None = None   # the sender's host blocks, freed with its pool's
 
     @classmethod
     def begin(cls, src: CellWorker, dst: CellWorker, seq: Sequence, block_size: int,
@@ -95,7 +95,7 @@ class Handoff:
         dst.kv.stats.record(seq.num_computed_tokens, max(len(cached) - pushed, 0) * block_size)
         host = HostRows(middle[0] - len(cached), tiers.receive(seq.seq_id, middle)) \
             if middle else HostRows(0, [])
-        lent = src.batch.tiers.lend_host_blocks(seq.seq_id) if src.batch.tiers else (0, [])
+        lent = src.batch.tiers.lend_host_blocks(seq.seq_id) if src.batch.tiers else None
         src.batch.detach(seq.seq_id)
         count = len(fresh) + len(host.block_ids)
         export = (submit_export(src, dst, seq, len(cached), count, block_size, lent)
@@ -137,8 +137,8 @@ class Handoff:
     def release_source(self) -> None:
         """The sender's part is over (moved or not): free its blocks."""
         self.src.kv.free(self.seq.seq_id)
-        if self.lent[1]:
-            self.src.batch.tiers.free_lent(self.lent[1])
+        if self.lent is not None:
+            self.src.batch.tiers.free_lent(self.lent)
         self.src.outgoing -= 1
         self.src.wake.set()
 
@@ -182,12 +182,12 @@ async def move(export: KVExport, dst: CellWorker, fresh: list[int],
 
 
 def submit_export(src: CellWorker, dst: CellWorker, seq: Sequence, first: int, count: int,
-                  block_size: int, lent: tuple[int, list[int]] = (0, [])) -> KVExport:
+                  block_size: int, lent: LentBlocks | None = None) -> KVExport:
     """Submit the export of ``count`` of the sequence's computed blocks from block
-    ``first`` on, through the transport the two workers share; those among ``lent``'s
-    (the table index of the first, ids) come from the sender's host tier."""
+    ``first`` on, through the transport the two workers share; those among ``lent``
+    come from the sender's host tier."""
     table = src.kv.block_ids(seq.seq_id)[first:first + count]
-    at, lent_ids = lent
+    at, lent_ids = (lent.first, lent.block_ids) if lent else (first, [])
     lo, hi = max(first, at), min(first + count, at + len(lent_ids))
     host_ids = lent_ids[lo - at:hi - at] if lo < hi else []
     blocks = table[:lo - first] + table[hi - first:] if host_ids else table

@@ -31,6 +31,15 @@ class _Tiers:
 
 
 @dataclass
+class LentBlocks:
+    """A handed-off sequence's host blocks, which its export reads: table index
+    ``first`` on, one per id of ``block_ids``."""
+
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
 class TierUsage:
     """Blocks of both tiers, for stats and metrics."""
 
@@ -88,19 +97,19 @@ class TierPlanner:
         self._seqs[seq_id] = _Tiers(KVMode.DENSE, first, list(ids), num_received=len(ids))
         return ids
 
-    def lend_host_blocks(self, seq_id: str) -> tuple[int, list[int]]:
-        """The host blocks of a sequence a handoff takes away (the table index of the
-        first, their ids), which its export reads: they leave the sequence, so that
-        releasing it keeps them, and stay taken until ``free_lent`` once the export is
-        done, as its device blocks do."""
+    def lend_host_blocks(self, seq_id: str) -> LentBlocks | None:
+        """The host blocks of a sequence a handoff takes away (None: it has none): they
+        leave the sequence, so that releasing it keeps them, and stay taken until
+        ``free_lent`` once the export is done, as its device blocks do."""
         t = self._seqs.get(seq_id)
         if t is None or not t.host_ids:
-            return 0, []
+            return None
         ids, t.host_ids = t.host_ids, []
-        return t.host_first, ids
+        return LentBlocks(t.host_first, ids)
 
-    def free_lent(self, host_ids: list[int]) -> None:
-        self.host.free(reversed(host_ids))
+    def free_lent(self, lent: LentBlocks) -> None:
+        """Give back what ``lend_host_blocks`` lent."""
+        self.host.free(reversed(lent.block_ids))
 
     # ---- a decode step -------------------------------------------------------------
     def prepare(self, seq_id: str, context_len: int) -> bool:

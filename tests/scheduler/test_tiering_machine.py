@@ -98,15 +98,17 @@ class TieringMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(
             (s for s in sched.running if s.num_tokens - s.num_computed_tokens == 1),
             key=lambda s: s.seq_id)))
-        at, lent = sched.tiers.lend_host_blocks(seq.seq_id)
+        lent = sched.tiers.lend_host_blocks(seq.seq_id)
+        at, ids = (lent.first, lent.block_ids) if lent else (0, [])
         table = sched.kv.block_ids(seq.seq_id)
-        assert [i for i, b in enumerate(table) if b == -1] == list(range(at, at + len(lent)))
+        assert [i for i, b in enumerate(table) if b == -1] == list(range(at, at + len(ids)))
         used = sched.tiers.host.num_used_blocks
         sched.detach(seq.seq_id)
         assert sched.tiers.host.num_used_blocks == used
         sched.kv.free(seq.seq_id)
-        sched.tiers.free_lent(lent)
-        assert sched.tiers.host.num_used_blocks == used - len(lent)
+        if lent is not None:
+            sched.tiers.free_lent(lent)
+        assert sched.tiers.host.num_used_blocks == used - len(ids)
 
     @invariant()
     def consistent(self):
