@@ -159,7 +159,7 @@ class BatchScheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(self._stop(seq) - seq.num_computed_tokens, budget)
             while True:
                 added = self._grow(seq, num_new)
                 if added is not None:
@@ -191,6 +191,13 @@ class BatchScheduler:
             return None
         return self.kv.allocate(seq.seq_id, seq.token_ids, num_new, seq.num_computed_tokens)
 
+    def _stop(self, seq: Sequence) -> int:
+        """How far a step may compute the sequence: all its tokens, except a long one
+        being recomputed (``TierPlanner.prefill_stop``)."""
+        if self.tiers is None or seq.num_computed_tokens >= seq.num_tokens - 1:
+            return seq.num_tokens
+        return self.tiers.prefill_stop(seq.num_tokens, seq.num_prompt_tokens)
+
     def _admit(self, budget: int, scheduled: dict[str, tuple[Sequence, int, list[int]]]) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
@@ -198,9 +205,10 @@ class BatchScheduler:
                 break
             if self.tiers is not None and not self.tiers.admits(seq.num_tokens):
                 break
+            stop = self._stop(seq)
             hit = (PrefixHit([], 0) if seq.needs_prompt_logprobs
-                   else self.kv.find_cached_prefix(seq.seq_id, seq.token_ids))
-            num_new = seq.num_tokens - hit.num_tokens
+                   else self.kv.find_cached_prefix(seq.seq_id, seq.token_ids[:stop]))
+            num_new = stop - hit.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)

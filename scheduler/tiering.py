@@ -76,6 +76,16 @@ class TierPlanner:
         """Whether the host tier has room for a new sequence of ``num_tokens`` tokens."""
         return self.host_blocks_for(num_tokens + 1) <= self._host_free()
 
+    def prefill_stop(self, num_tokens: int, num_prompt_tokens: int) -> int:
+        """Where the prefill of a sequence of ``num_tokens`` tokens stops. One with output
+        of its own is being recomputed (after a preemption, a lost worker or a failed
+        handoff); in a sparse mode its prefill stops one token short, and that token
+        runs as the sparse decode step it had before, so the text goes on exactly as an
+        uninterrupted run's (a prefill is dense)."""
+        if num_tokens > num_prompt_tokens and self.config.mode(num_tokens) is not KVMode.DENSE:
+            return num_tokens - 1
+        return num_tokens
+
     # ---- a handoff -----------------------------------------------------------------
     def middle_to_receive(self, context_len: int) -> tuple[int, int] | None:
         """Table indices [first, end) whose KV a handoff of a sequence about to decode at

@@ -1,6 +1,7 @@
-"""Handoffs of long sequences in the in-process cell: a sequence whose middle sits in
-its worker's host tier moves like any other, its middle read from that tier, after a
-prefill and when its worker drains."""
+"""Long sequences moving in the in-process cell: a sequence whose middle sits in its
+worker's host tier is handed off like any other, its middle read from that tier, after
+a prefill and when its worker drains; one preempted at its first decode step goes on
+as it would have."""
 
 from __future__ import annotations
 
@@ -125,3 +126,35 @@ def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
     assert peer.worker_id == "decode-1" and peer.kv_received.failures == 0
     assert peer.tier_stats.received_blocks >= 20     # o0's middle, into its host tier
     assert peer.tiers.host_used == 0
+
+
+def test_a_long_sequence_preempted_at_its_first_decode_goes_on_as_it_would_have(
+        tiny_long_factory):
+    """One mixed worker whose pool cannot give the 532-token prompt its recall blocks at
+    its first decode step beside the 448-token one: it is preempted there and recomputed.
+    Its prefill stops one token short (``TierPlanner.prefill_stop``), so that token runs
+    as the offload-mode decode step it was, and every text equals the one-process
+    engine's, which had room for all three."""
+    path = tiny_long_factory("llama").path
+    g = torch.Generator().manual_seed(2)
+    prompts = {f"r{i}": torch.randint(3, 256, (n,), generator=g).tolist()
+               for i, n in enumerate((63, 448, 532))}
+    params = {rid: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for rid, n in zip(prompts, (14, 31, 44))}
+    llm = make_llm(path, REGIONS)
+    alone = {rid: llm.generate([{"prompt_token_ids": p}], params[rid])[0].outputs[0].token_ids
+             for rid, p in prompts.items()}
+    gs = _cell(path, [("mixed", 70, 40)])
+
+    async def main():
+        await gs.start()
+        for rid, p in prompts.items():
+            await gs.submit(rid, p, params[rid])
+        out = await _finish(gs, list(prompts))
+        stats = await gs.stats()
+        await gs.shutdown()
+        return out, stats
+
+    out, stats = asyncio.run(main())
+    assert stats.workers[0].num_preemptions >= 1
+    assert out == alone
