@@ -52,7 +52,8 @@ from scheduler.protocol import (
 from scheduler.tiering import TierPlanner
 from workers.ops import get_ops
 from workers.ops.base import AttentionMetadata
-from workers.sparse_attention import LongContextAttention, SeqTierState
+from workers.sparse_attention import LongContextAttention
+from workers.sparse_step import SeqTierState
 
 BLOCK = 16
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64          # SmolLM2-135M's attention

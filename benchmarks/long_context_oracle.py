@@ -45,7 +45,7 @@ from benchmarks.long_context_tasks import (
 from benchmarks.peers.common import NUM_THREADS
 from cluster.llm import LLM
 from workers.ops.base import AttentionMetadata
-from workers.sparse_attention import SparseStep
+from workers.sparse_step import SparseStep
 
 
 def round_keys(keys: torch.Tensor, bits: int) -> torch.Tensor:

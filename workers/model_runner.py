@@ -45,7 +45,8 @@ from workers.ops import get_ops
 from workers.ops.base import AttentionMetadata, PrefillSegment
 from workers.prompt_logprobs import prompt_span, score_prompt
 from workers.sampler import Sampler, SamplingRow
-from workers.sparse_attention import LongContextAttention, SeqTierState
+from workers.sparse_attention import LongContextAttention
+from workers.sparse_step import SeqTierState
 from workers.structured_output import StructuredOutputs
 
 

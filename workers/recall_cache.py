@@ -1,6 +1,6 @@
 """A long sequence's recall blocks in offload mode: device blocks that hold the middle
 blocks a decode step selected from the host tier, reused least recently used first, so
-a step copies in only the blocks it lacks (``sparse_attention``)."""
+a step copies in only the blocks it lacks (``sparse_step``)."""
 
 from __future__ import annotations
 

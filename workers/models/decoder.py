@@ -20,7 +20,7 @@ from workers.ops.base import AttentionMetadata, Ops
 from workers.ops.quant_linear import Int8Weight, head_quantization
 
 if TYPE_CHECKING:
-    from workers.sparse_attention import SparseStep
+    from workers.sparse_step import SparseStep
 
 
 def rope_tables(cfg: ModelArchConfig, max_positions: int,
