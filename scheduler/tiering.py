@@ -80,8 +80,9 @@ class TierPlanner:
         """Where the prefill of a sequence of ``num_tokens`` tokens stops. One with output
         of its own is being recomputed (after a preemption, a lost worker or a failed
         handoff); in a sparse mode its prefill stops one token short, and that token
-        runs as the sparse decode step it had before, so the text goes on exactly as an
-        uninterrupted run's (a prefill is dense)."""
+        runs as the sparse decode step it had before. Recomputed at its first decode
+        step, it then goes on exactly as an uninterrupted run; later, the prefill (dense)
+        recomputes its earlier output's KV otherwise than the sparse steps wrote it."""
         if num_tokens > num_prompt_tokens and self.config.mode(num_tokens) is not KVMode.DENSE:
             return num_tokens - 1
         return num_tokens
