@@ -181,13 +181,13 @@ class BatchScheduler:
 
     def _grow(self, seq: Sequence, num_new: int) -> list[int] | None:
         """Blocks for a running sequence's next ``num_new`` tokens, its tiers brought to
-        its mode first when this is a decode past its prompt (not a prompt's one-token last
-        chunk: an ``n > 1`` request forks after it, and children share the parent's
-        device blocks); None (nothing allocated) when short."""
-        decoding = (num_new == 1
-                    and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1)
+        its mode first when this is a decode step past its prompt, or a recompute's replay
+        of one (not a prompt's one-token last chunk: an ``n > 1`` request forks after it,
+        and children share the parent's device blocks); None (nothing allocated) when
+        short."""
+        decoding = num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
         if (decoding and self.tiers is not None
-                and not self.tiers.prepare(seq.seq_id, seq.num_tokens)):
+                and not self.tiers.prepare(seq.seq_id, seq.num_computed_tokens + 1)):
             return None
         return self.kv.allocate(seq.seq_id, seq.token_ids, num_new, seq.num_computed_tokens)
 
@@ -196,7 +196,8 @@ class BatchScheduler:
         being recomputed (``TierPlanner.prefill_stop``)."""
         if self.tiers is None or seq.num_computed_tokens >= seq.num_tokens - 1:
             return seq.num_tokens
-        return self.tiers.prefill_stop(seq.num_tokens, seq.num_prompt_tokens)
+        return self.tiers.prefill_stop(seq.num_computed_tokens, seq.num_tokens,
+                                       seq.num_prompt_tokens)
 
     def _admit(self, budget: int, scheduled: dict[str, tuple[Sequence, int, list[int]]]) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:

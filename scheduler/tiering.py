@@ -76,16 +76,17 @@ class TierPlanner:
         """Whether the host tier has room for a new sequence of ``num_tokens`` tokens."""
         return self.host_blocks_for(num_tokens + 1) <= self._host_free()
 
-    def prefill_stop(self, num_tokens: int, num_prompt_tokens: int) -> int:
-        """Where the prefill of a sequence of ``num_tokens`` tokens stops. One with output
-        of its own is being recomputed (after a preemption, a lost worker or a failed
-        handoff); in a sparse mode its prefill stops one token short, and that token
-        runs as the sparse decode step it had before. Recomputed at its first decode
-        step, it then goes on exactly as an uninterrupted run; later, the prefill (dense)
-        recomputes its earlier output's KV otherwise than the sparse steps wrote it."""
-        if num_tokens > num_prompt_tokens and self.config.mode(num_tokens) is not KVMode.DENSE:
-            return num_tokens - 1
-        return num_tokens
+    def prefill_stop(self, num_computed: int, num_tokens: int, num_prompt_tokens: int) -> int:
+        """Where a step that computes a sequence of ``num_tokens`` tokens from token
+        ``num_computed`` on stops. One with output of its own is being recomputed (after
+        a preemption, a lost worker or a failed handoff). In a sparse mode its prefill
+        (dense) stops where its first sparse decode step began, and from there each
+        token runs again as the sparse decode step it was, one a step, so that its KV is
+        written as before and it goes on exactly as an uninterrupted run."""
+        if num_tokens == num_prompt_tokens or self.config.mode(num_tokens) is KVMode.DENSE:
+            return num_tokens
+        first_sparse_step = max(num_prompt_tokens, self.config.dense_boundary - 1)
+        return max(first_sparse_step, num_computed + 1)
 
     # ---- a handoff -----------------------------------------------------------------
     def middle_to_receive(self, context_len: int) -> tuple[int, int] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
 import torch
 
 from kvcache.config import CacheConfig
@@ -128,20 +129,24 @@ def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
     assert peer.tiers.host_used == 0
 
 
-def test_a_long_sequence_preempted_at_its_first_decode_goes_on_as_it_would_have(
-        tiny_long_factory):
-    """One mixed worker whose pool cannot give the 532-token prompt its recall blocks at
-    its first decode step beside the 448-token one: it is preempted there and recomputed.
-    Its prefill stops one token short (``TierPlanner.prefill_stop``), so that token runs
-    as the offload-mode decode step it was, and every text equals the one-process
-    engine's, which had room for all three."""
+@pytest.mark.parametrize("seed, lengths, max_tokens", [
+    (2, (63, 448, 532), (14, 31, 44)),    # the 532-token prompt, at its first decode step
+    (11, (97, 371, 519), (15, 36, 47)),   # the 519-token prompt, 13 tokens in
+], ids=["at-first-decode", "13-tokens-in"])
+def test_a_long_sequence_preempted_goes_on_as_it_would_have(
+        tiny_long_factory, seed, lengths, max_tokens):
+    """One mixed worker whose pool cannot give the longest prompt its recall blocks
+    beside the others', so it is preempted while decoding in offload mode and
+    recomputed: prefilled up to its first decode step, then each token it had run
+    again as that sparse step (``TierPlanner.prefill_stop``). Every text equals the
+    one-process engine's, which had room for all three, with the cell's reference ops."""
     path = tiny_long_factory("llama").path
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     prompts = {f"r{i}": torch.randint(3, 256, (n,), generator=g).tolist()
-               for i, n in enumerate((63, 448, 532))}
+               for i, n in enumerate(lengths)}
     params = {rid: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-              for rid, n in zip(prompts, (14, 31, 44))}
-    llm = make_llm(path, REGIONS)
+              for rid, n in zip(prompts, max_tokens)}
+    llm = make_llm(path, REGIONS, ops="torch")
     alone = {rid: llm.generate([{"prompt_token_ids": p}], params[rid])[0].outputs[0].token_ids
              for rid, p in prompts.items()}
     gs = _cell(path, [("mixed", 70, 40)])

@@ -100,6 +100,21 @@ def test_modes_switch_exactly_at_the_boundaries(prompt_len, max_tokens, budget):
     assert d.sched.kv.pool.num_used_blocks == 0 and d.sched.tiers.host.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("computed,tokens,prompt_len,stop", [
+    (0, 300, 300, 300),     # a prompt: all of it
+    (0, 250, 200, 250),     # a dense recompute: all of it
+    (0, 455, 450, 450),     # sparse from the first decode: the prompt, then one a step
+    (450, 455, 450, 451),
+    (453, 455, 450, 454),
+    (0, 300, 200, 255),     # it went sparse at 256 tokens: dense up to that step
+    (100, 300, 200, 255),
+    (255, 300, 200, 256),
+    (0, 257, 256, 256),     # the prompt reached the boundary: its first decode was sparse
+])
+def test_a_recompute_prefills_up_to_its_first_sparse_step(computed, tokens, prompt_len, stop):
+    assert make().tiers.prefill_stop(computed, tokens, prompt_len) == stop
+
+
 @pytest.mark.parametrize("caching", [False, True])
 def test_offloaded_blocks_are_exactly_the_middle_ones_in_order(caching):
     d = Driver(make(caching=caching))
@@ -178,17 +193,25 @@ def test_preempted_sequence_frees_both_tiers_and_offloads_anew_after_recompute()
     check_invariants(d)
     assert d.sched.kv.pool.num_used_blocks == 0 and d.sched.tiers.host.num_used_blocks == 0
     assert "a" not in d.sched.tiers._seqs and d.sched.kv.block_ids("a") == []
+    assert seq.num_tokens == 455         # the prompt and 5 tokens of output
     plan = d.step()                      # the drop and the recompute in one plan
     assert plan.finished == ["a"] and [s.seq_id for s in plan.new] == ["a"]
     assert not plan.tiers and -1 not in plan.new[0].block_ids
+    assert plan.new[0].num_scheduled_tokens == 450   # dense up to the first sparse step
     check_invariants(d)
-    plan = d.step()                      # first decode after the recompute
+    plan = d.step()                      # the first decode step again, replayed
     (c,) = plan.tiers
     lay = CFG.layout(seq.num_computed_tokens)
     assert c.mode == KVMode.OFFLOAD and c.first_offloaded == lay.init_end // BS
     assert len(c.host_block_ids) == lay.local_start // BS - lay.init_end // BS
     assert len(c.recall_block_ids) == lay.top_k * PER_BLOCK
     check_invariants(d)
+    for _ in range(4):                   # the other four replayed, the last one sampling
+        assert [s.num_scheduled_tokens for s in plan.continued] == [1]
+        assert len(d.outputs["a"]) == 5
+        plan = d.step()
+        check_invariants(d)
+    assert len(d.outputs["a"]) == 6
     run(d)
     assert d.outputs["a"] == [TOKEN] * 100
 

@@ -150,13 +150,14 @@ class MirrorWorker:
 
 
 def decode_like(sched: BatchScheduler, sid: str, n: int) -> bool:
-    """Whether this scheduled sequence ran a decode: one token, its last, after its prompt.
+    """Whether this scheduled sequence ran a decode step: one token after its prompt, its
+    last or, in a recompute, one it replays (``TierPlanner.prefill_stop``).
 
     A prompt's last chunk of one token runs like a decode too, on the worker and (today)
     in ``_grow``; ``one_token_tail`` tells those apart."""
     seq = sched.seqs[sid]
     before = seq.num_computed_tokens - n
-    return n == 1 and seq.num_prompt_tokens <= before == seq.num_tokens - 1
+    return n == 1 and before >= seq.num_prompt_tokens
 
 
 def one_token_tail(sched: BatchScheduler, sid: str, n: int) -> bool:
