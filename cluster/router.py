@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from cluster import metrics, openai_tokenize, readiness
 from cluster.cell_deployment import CellInfo
+from cluster.client_disconnect import DisconnectOnCancel
 from cluster.client_errors import REQUEST_ID_HEADER, client_error, unavailable
 from cluster.cluster_client import ClusterClient
 from cluster.config import ServingConfig
@@ -51,6 +52,7 @@ from scheduler.protocol import StructuredOutputsParams
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 
 api = FastAPI(title="llm-cluster", docs_url=None, redoc_url=None)
+api.add_middleware(DisconnectOnCancel)
 
 
 @api.exception_handler(HTTPException)

@@ -1,7 +1,7 @@
 """Long sequences moving in the in-process cell: a sequence whose middle sits in its
 worker's host tier is handed off like any other, its middle read from that tier, after
 a prefill and when its worker drains; one preempted at its first decode step goes on
-as it would have."""
+as it would have, and so does one preempted later."""
 
 from __future__ import annotations
 
