@@ -62,6 +62,17 @@ def test_wrong_types_name_their_field(body, param):
     assert e.value.type == "invalid_request_error"
 
 
+def test_a_huge_bad_value_is_shown_shortened():
+    with pytest.raises(APIError) as e:
+        parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "seed": "7" * 100_000})
+    assert e.value.param == "seed" and len(e.value.message) < 150
+    assert "got '7777" in e.value.message and "7...7" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_request(CompletionRequest, {"model": "m", "prompt": "hi",
+                                          "temperature": list(range(100_000))})
+    assert e.value.message.endswith("got [0, 1, 2, 3, 4, 5, ...]")
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
