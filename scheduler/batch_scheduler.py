@@ -107,10 +107,8 @@ class BatchScheduler:
         seq = self.seqs.pop(seq_id)
         self.running.remove(seq)
         self._drop_from_worker(seq)
-        family = self.requests[seq.request_id]
-        family.remove(seq)
-        if not family:
-            del self.requests[seq.request_id]
+        self.requests[seq.request_id].remove(seq)
+        self._forget_if_done(seq.request_id)
         return seq
 
     def adopt(self, seq: Sequence, computed: bool) -> None:
@@ -352,11 +350,15 @@ class BatchScheduler:
         self.kv.free(seq.seq_id)
         self._drop_from_worker(seq)
         del self.seqs[seq.seq_id]
-        family = self.requests[seq.request_id]
-        if all(s.is_finished for s in family):
-            del self.requests[seq.request_id]
+        self._forget_if_done(seq.request_id)
         return SeqUpdate(seq.request_id, seq.seq_id, seq.sample_index, tokens or [], logprobs,
                          reason, seq.stop_reason)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        """A request is this scheduler's until none of its sequences here is unfinished
+        (the others finished, or left with a handoff)."""
+        if all(s.is_finished for s in self.requests[request_id]):
+            del self.requests[request_id]
 
     def _drop_from_worker(self, seq: Sequence) -> None:
         """The worker forgets the sequence; so do the tiers (the blocks go separately)."""

@@ -223,6 +223,19 @@ def test_n_children_share_prompt_blocks_and_diverge():
     assert sched.kv.pool.num_used_blocks == 0
 
 
+def test_a_request_is_forgotten_once_its_last_unfinished_sequence_leaves():
+    """A child handed off while its sibling has finished takes the request with it: the
+    pool holds nothing of it after (the tiering state machine found it kept)."""
+    sched, worker = make(200)
+    sched.add("r", list(range(3, 40)), SamplingParams(n=2, max_tokens=8, ignore_eos=True))
+    sched.update(worker.execute(sched.schedule()))   # the prompt, then the fork
+    sched.stop_sequence("r")
+    sched.detach("r#1")
+    sched.kv.free("r#1")
+    assert "r" not in sched.requests and not sched.has_unfinished()
+    assert sched.abort("r") == [] and sched.kv.pool.num_used_blocks == 0
+
+
 def test_prompt_length_and_duplicate_ids_are_rejected():
     sched, _ = make(10)
     with pytest.raises(ValueError, match="4096"):
