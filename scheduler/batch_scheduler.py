@@ -24,6 +24,7 @@ from scheduler.protocol import (
     SequenceOutput,
     StepOutput,
     StepPlan,
+    TierChange,
     TokenLogprobs,
 )
 from scheduler.sequence import (
@@ -157,7 +158,8 @@ class BatchScheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(self._stop(seq) - seq.num_computed_tokens, budget)
+            num_new = min(self._stop(seq, seq.num_computed_tokens) - seq.num_computed_tokens,
+                          budget)
             while True:
                 added = self._grow(seq, num_new)
                 if added is not None:
@@ -178,24 +180,27 @@ class BatchScheduler:
         return self._build_plan(scheduled.values())
 
     def _grow(self, seq: Sequence, num_new: int) -> list[int] | None:
-        """Blocks for a running sequence's next ``num_new`` tokens, its tiers brought to
-        its mode first when this is a decode step past its prompt, or a recompute's replay
-        of one (not a prompt's one-token last chunk: an ``n > 1`` request forks after it,
-        and children share the parent's device blocks); None (nothing allocated) when
-        short."""
-        decoding = num_new == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-        if (decoding and self.tiers is not None
-                and not self.tiers.prepare(seq.seq_id, seq.num_computed_tokens + 1)):
+        """Blocks for a running sequence's next ``num_new`` tokens, its tiers ready first;
+        None (nothing allocated) when short."""
+        if not self._tiers_ready(seq, seq.num_computed_tokens, num_new):
             return None
         return self.kv.allocate(seq.seq_id, seq.token_ids, num_new, seq.num_computed_tokens)
 
-    def _stop(self, seq: Sequence) -> int:
-        """How far a step may compute the sequence: all its tokens, except a long one
-        being recomputed (``TierPlanner.prefill_stop``)."""
-        if self.tiers is None or seq.num_computed_tokens >= seq.num_tokens - 1:
+    def _tiers_ready(self, seq: Sequence, computed: int, num_new: int) -> bool:
+        """Bring the sequence's tiers to its mode before a step that runs as a decode past
+        its prompt: a decode, or a recompute's replay of one (not a prompt's one-token last
+        chunk: an ``n > 1`` request forks after it, and children share the parent's device
+        blocks). False when a tier lacks room (see ``TierPlanner.prepare``)."""
+        if self.tiers is None or num_new != 1 or computed < seq.num_prompt_tokens:
+            return True
+        return self.tiers.prepare(seq.seq_id, computed + 1)
+
+    def _stop(self, seq: Sequence, computed: int) -> int:
+        """How far a step that starts at token ``computed`` may compute the sequence: all
+        its tokens, except a long one being recomputed (``TierPlanner.prefill_stop``)."""
+        if self.tiers is None or computed >= seq.num_tokens - 1:
             return seq.num_tokens
-        return self.tiers.prefill_stop(seq.num_computed_tokens, seq.num_tokens,
-                                       seq.num_prompt_tokens)
+        return self.tiers.prefill_stop(computed, seq.num_tokens, seq.num_prompt_tokens)
 
     def _admit(self, budget: int, scheduled: dict[str, tuple[Sequence, int, list[int]]]) -> int:
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -204,15 +209,20 @@ class BatchScheduler:
                 break
             if self.tiers is not None and not self.tiers.admits(seq.num_tokens):
                 break
-            stop = self._stop(seq)
             hit = (PrefixHit([], 0) if seq.needs_prompt_logprobs
-                   else self.kv.find_cached_prefix(seq.seq_id, seq.token_ids[:stop]))
-            num_new = stop - hit.num_tokens
+                   else self.kv.find_cached_prefix(seq.seq_id, seq.token_ids))
+            num_new = self._stop(seq, hit.num_tokens) - hit.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             added = self.kv.allocate(seq.seq_id, seq.token_ids, num_new, hit.num_tokens, hit)
             if added is None:
+                break
+            # A recompute whose cached blocks reach past its first sparse step replays
+            # from there at once.
+            if not self._tiers_ready(seq, hit.num_tokens, num_new):
+                self.tiers.release(seq.seq_id)
+                self.kv.reset(seq.seq_id)
                 break
             self.waiting.pop()
             seq.status = SeqStatus.RUNNING
@@ -236,11 +246,23 @@ class BatchScheduler:
             else:
                 plan.new.append(NewSequence(
                     seq.seq_id, list(seq.token_ids), seq.num_prompt_tokens,
-                    seq.num_computed_tokens, list(self.kv.block_ids(seq.seq_id)), n,
+                    seq.num_computed_tokens, self._table_before(seq.seq_id, plan.tiers), n,
                     seq.sampling, seq.sample_index))
                 self._on_worker.add(seq.seq_id)
             seq.num_computed_tokens += n
         return plan
+
+    def _table_before(self, seq_id: str, changes: list[TierChange]) -> list[int]:
+        """The block table of a sequence new to the worker, as the worker must hold it
+        before this plan's tier changes: the blocks a change moves to the host still
+        listed (a recompute that replays from cached blocks offloads at its first step).
+        The worker copies them out before the step, as for a sequence it holds."""
+        table = list(self.kv.block_ids(seq_id))
+        for c in changes:
+            if c.seq_id == seq_id and c.offload_block_ids:
+                at = c.first_offloaded + c.num_received
+                table[at:at + len(c.offload_block_ids)] = c.offload_block_ids
+        return table
 
     def update(self, output: StepOutput) -> list[SeqUpdate]:
         """Apply a worker's sampled tokens; returns per-sequence progress."""

@@ -216,6 +216,35 @@ def test_preempted_sequence_frees_both_tiers_and_offloads_anew_after_recompute()
     assert d.outputs["a"] == [TOKEN] * 100
 
 
+def test_a_recompute_replays_from_its_cached_blocks():
+    """With its blocks still in the prefix cache, a recompute takes them all, output
+    included (sparse steps wrote them), and replays only the tokens after the last full
+    block, the first of them in its admission step: that step's plan offloads the
+    middle, and the new sequence's table still lists the blocks the worker copies out."""
+    d = Driver(make(caching=True))
+    d.add("a", prompt(450), sampling(100))
+    for _ in range(40):
+        d.step()
+    seq = d.sched.seqs["a"]
+    assert seq.num_tokens == 490
+    d.sched._preempt(seq)
+    plan = d.step()                      # checked by the mirror worker as it applies it
+    (new,), (c,) = plan.new, plan.tiers
+    assert (new.num_computed_tokens, new.num_scheduled_tokens) == (480, 1)   # 489 // 16 blocks
+    lay = CFG.layout(481)
+    assert c.mode == KVMode.OFFLOAD and c.first_offloaded == lay.init_end // BS
+    assert new.block_ids[c.first_offloaded:lay.local_start // BS] == c.offload_block_ids
+    check_invariants(d)
+    for _ in range(9):                   # 481..489 replayed, the last one sampling
+        assert len(d.outputs["a"]) == 40
+        plan = d.step()
+        assert [s.num_scheduled_tokens for s in plan.continued] == [1]
+        check_invariants(d)
+    assert len(d.outputs["a"]) == 41
+    run(d)
+    assert d.outputs["a"] == [TOKEN] * 100
+
+
 def test_admission_waits_for_host_room():
     d = Driver(make(host_blocks=30))
     d.add("a", prompt(500), sampling(20))     # 24..26 host blocks while it runs

@@ -187,17 +187,15 @@ class Driver:
         sched = self.sched
         plan = sched.schedule()
         assert not sched.tiers._pending, "tier changes left out of the plan"
-        for s in plan.new:
-            self.decoded.discard(s.seq_id)
-            self.tail.discard(s.seq_id)
-        for s in plan.continued:
-            if decode_like(sched, s.seq_id, s.num_scheduled_tokens):
-                self.decoded.add(s.seq_id)
-            if one_token_tail(sched, s.seq_id, s.num_scheduled_tokens):
-                self.tail.add(s.seq_id)
-        for sid in plan.finished:
+        # In the worker's order: drops, then new sequences (a recompute is both).
+        for sid in [*plan.finished, *(s.seq_id for s in plan.new)]:
             self.decoded.discard(sid)
             self.tail.discard(sid)
+        for s in [*plan.new, *plan.continued]:
+            if decode_like(sched, s.seq_id, s.num_scheduled_tokens):
+                self.decoded.add(s.seq_id)   # new: a recompute replaying from cached blocks
+            if one_token_tail(sched, s.seq_id, s.num_scheduled_tokens):
+                self.tail.add(s.seq_id)
         if on_plan:
             on_plan(plan)
         for u in sched.update(self.worker.execute(plan, sched)):
