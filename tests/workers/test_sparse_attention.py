@@ -33,10 +33,11 @@ def prompts() -> list[list[int]]:
 
 
 def make_llm(path: str, long_context: dict | None, chunk: int = 2048,
-             kv_dtype: str = "auto", ops: str = "auto") -> LLM:
+             kv_dtype: str = "auto", ops: str = "auto", caching: bool = True) -> LLM:
     return LLM(config=config_from_dict({
         "model": {"path": path, "ops": ops},
-        "cache": {"kv_cache_bytes": 4 << 20, "kv_dtype": kv_dtype},
+        "cache": {"kv_cache_bytes": 4 << 20, "kv_dtype": kv_dtype,
+                  "enable_prefix_caching": caching},
         "scheduler": {"max_num_batched_tokens": chunk},
         "long_context": long_context or {}}))
 
@@ -130,6 +131,36 @@ def test_offload_attends_what_sparse_attends(tiny_long_factory, ops):
     assert tokens == sparse_tokens
     assert all(torch.equal(row, sparse_rows[context]) for context, row in rows.items())
     assert llm.engine.runner.long_context.stats.offloaded_blocks > 0
+
+
+@pytest.mark.parametrize(("caching", "steps"), [(True, 9), (False, 38)],
+                         ids=["cached", "uncached"])
+def test_a_preempted_sequence_goes_on_as_it_would_have(tiny_long_factory, caching, steps):
+    """Preempted 37 tokens into its output in offload mode (a 420-token prompt), a
+    sequence ends with the tokens of a run never preempted. Its recompute replays its
+    sparse steps: with its blocks still cached, only those after its last full block
+    (448..456, 9 steps to its next token); else all from its prompt's end (a prefill,
+    then 37 steps)."""
+    path = tiny_long_factory("llama").path
+    prompt = prompts()[2]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    llm = make_llm(path, REGIONS, caching=caching)
+    want = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("r", None, prompt, params, 0)
+    engine.step()
+    (seq,) = engine.scheduler.seqs.values()
+    while seq.num_output_tokens < 37:
+        engine.step()
+    engine.scheduler._preempt(seq)
+    taken = 0
+    while seq.num_output_tokens == 37:
+        engine.step()
+        taken += 1
+    assert taken == steps
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.token_ids[len(prompt):] == want
 
 
 @pytest.mark.parametrize("kind", SUMMARY_KINDS)
