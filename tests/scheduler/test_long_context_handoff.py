@@ -137,9 +137,10 @@ def test_a_long_sequence_preempted_goes_on_as_it_would_have(
         tiny_long_factory, seed, lengths, max_tokens):
     """One mixed worker whose pool cannot give the longest prompt its recall blocks
     beside the others', so it is preempted while decoding in offload mode and
-    recomputed: prefilled up to its first decode step, then each token it had run
-    again as that sparse step (``TierPlanner.prefill_stop``). Every text equals the
-    one-process engine's, which had room for all three, with the cell's reference ops."""
+    recomputed: from the blocks the prefix cache still holds, the rest of its prompt
+    prefilled, then each token it had run again as that sparse step
+    (``TierPlanner.prefill_stop``). Every text equals the one-process engine's, which
+    had room for all three, with the cell's reference ops."""
     path = tiny_long_factory("llama").path
     g = torch.Generator().manual_seed(seed)
     prompts = {f"r{i}": torch.randint(3, 256, (n,), generator=g).tolist()
