@@ -77,10 +77,10 @@ class KVCacheManager:
                  num_computed_tokens: int, prefix: PrefixHit | None = None) -> list[int] | None:
         """Grow the table to hold ``num_computed + num_new`` tokens.
 
-        ``prefix`` (a fresh sequence's cache lookup) is counted in the hit-rate stats
-        once the allocation succeeds. Returns the block ids appended to the table
-        (prefix hits first), or None when the pool is short, in which case nothing
-        changed.
+        ``prefix``: a fresh sequence's cache lookup, whose blocks are shared first. The
+        caller records it in ``stats`` once the sequence is admitted, which may still
+        fail after this. Returns the block ids appended to the table (prefix hits
+        first), or None when the pool is short, in which case nothing changed.
         """
         entry = self._entry(seq_id)
         hit = prefix.block_ids if prefix else []
@@ -91,8 +91,6 @@ class KVCacheManager:
         reusable = sum(1 for b in hit if self.pool.ref_count(b) == 0)
         if need > self.pool.num_free_blocks - reusable:
             return None
-        if prefix is not None:
-            self.stats.record(len(token_ids), prefix.num_tokens)
         self.pool.share(hit)
         fresh = self.pool.allocate(max(need, 0)) or []
         added = hit + fresh

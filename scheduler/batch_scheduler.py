@@ -224,6 +224,7 @@ class BatchScheduler:
                 self.tiers.release(seq.seq_id)
                 self.kv.reset(seq.seq_id)
                 break
+            self.kv.stats.record(seq.num_tokens, hit.num_tokens)
             self.waiting.pop()
             seq.status = SeqStatus.RUNNING
             seq.num_computed_tokens = hit.num_tokens

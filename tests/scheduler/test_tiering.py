@@ -245,6 +245,33 @@ def test_a_recompute_replays_from_its_cached_blocks():
     assert d.outputs["a"] == [TOKEN] * 100
 
 
+def test_a_recompute_that_backs_out_counts_its_prefix_hit_once(monkeypatch):
+    """A recompute whose tiers lack room at admission gives its blocks back and waits;
+    the hit-rate stats count its lookup at the admission that holds, not at each try."""
+    d = Driver(make(caching=True))
+    d.add("a", prompt(450), sampling(100))
+    for _ in range(40):
+        d.step()
+    d.sched._preempt(d.sched.seqs["a"])
+    before = d.sched.kv.stats.queried_tokens, d.sched.kv.stats.hit_tokens
+    prepare, refusals = d.sched.tiers.prepare, []
+
+    def refuse_twice(seq_id, num_tokens):
+        if len(refusals) < 2:
+            refusals.append(seq_id)
+            return False
+        return prepare(seq_id, num_tokens)
+    monkeypatch.setattr(d.sched.tiers, "prepare", refuse_twice)
+    for _ in range(3):
+        plan = d.step()
+    assert refusals == ["a", "a"] and [s.seq_id for s in plan.new] == ["a"]
+    check_invariants(d)
+    stats = d.sched.kv.stats
+    assert (stats.queried_tokens - before[0], stats.hit_tokens - before[1]) == (490, 480)
+    run(d)
+    assert d.outputs["a"] == [TOKEN] * 100
+
+
 def test_admission_waits_for_host_room():
     d = Driver(make(host_blocks=30))
     d.add("a", prompt(500), sampling(20))     # 24..26 host blocks while it runs
