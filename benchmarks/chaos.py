@@ -183,6 +183,8 @@ def run(base: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
             "responses": {str(k): v for k, v in sorted(tally.items(), key=str)},
             "preemptions": total(after, "vllm:num_preemptions_total")
             - total(before, "vllm:num_preemptions_total"),
+            "recomputed tokens": total(after, "llm_cluster_recomputed_tokens_total")
+            - total(before, "llm_cluster_recomputed_tokens_total"),
             "checks": checks}
 
 

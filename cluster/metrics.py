@@ -138,7 +138,10 @@ class _Snapshot:
             ("kv_pushed_bytes", "KV bytes a worker received in pushes ahead of handoffs.",
              lambda w: w.kv_received.pushed_bytes),
             ("num_preemptions", "Sequences a worker's batch preempted.",
-             lambda w: w.num_preemptions)]
+             lambda w: w.num_preemptions),
+            ("recomputed_tokens", "Tokens a worker computed again after their sequence "
+             "was preempted (prefix-cache hits not included).",
+             lambda w: w.num_recomputed_tokens)]
         yield from self._per_worker(workers, gauges, counters)
         by_transport = CounterMetricFamily(
             f"{PREFIX}_kv_transfers_by_transport", "KV handoffs a worker received, by "

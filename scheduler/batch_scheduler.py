@@ -51,6 +51,8 @@ class BatchScheduler:
         self.seqs: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
         self.num_preemptions = 0
+        # Tokens computed again after their sequence's preemption (prefix hits not).
+        self.num_recomputed_tokens = 0
         self._arrivals = itertools.count()
         self._step = 0
         self._on_worker: set[str] = set()
@@ -250,6 +252,8 @@ class BatchScheduler:
                     seq.num_computed_tokens, self._table_before(seq.seq_id, plan.tiers), n,
                     seq.sampling, seq.sample_index))
                 self._on_worker.add(seq.seq_id)
+            self.num_recomputed_tokens += max(
+                0, min(seq.num_computed_tokens + n, seq.recompute_until) - seq.num_computed_tokens)
             seq.num_computed_tokens += n
         return plan
 
@@ -359,6 +363,7 @@ class BatchScheduler:
         self.kv.reset(seq.seq_id)
         self._drop_from_worker(seq)
         seq.status = SeqStatus.WAITING
+        seq.recompute_until = max(seq.recompute_until, seq.num_computed_tokens)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

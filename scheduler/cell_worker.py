@@ -71,7 +71,8 @@ class CellWorker:
             self.worker_id, self.role, self.state, pool.num_blocks, pool.num_free_blocks,
             pool.num_used_blocks, self.batch.num_running, self.batch.num_waiting,
             self.reported_seqs, self.kv.stats.hit_rate, self.kv.stats.queried_tokens,
-            self.kv.stats.hit_tokens, self.batch.num_preemptions, copy.deepcopy(self.times),
+            self.kv.stats.hit_tokens, self.batch.num_preemptions,
+            self.batch.num_recomputed_tokens, copy.deepcopy(self.times),
             copy.deepcopy(self.sent), copy.deepcopy(self.received),
             queued_prefill_tokens(self),
             self.batch.tiers.usage() if self.batch.tiers else None, self.tier_stats)

@@ -35,6 +35,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    recompute_until: int = 0       # tokens computed before its last preemption
     next_prompt_logprob: int = 1   # the prompt position whose logprob is reported next
 
     @property

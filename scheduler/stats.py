@@ -102,6 +102,7 @@ class WorkerReport:
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
     step_times: StepTimes = field(default_factory=StepTimes)
     kv_sent: TransferStats = field(default_factory=TransferStats)
     kv_received: TransferStats = field(default_factory=TransferStats)

@@ -222,7 +222,7 @@ def test_metrics_carry_vllm_names_and_the_scheduler_values():
     serving.error("overloaded")
     stats = CellStats([_worker("prefill-0", "prefill"),
                        _worker("decode-0", "decode", num_used_blocks=50,
-                               state=WorkerState.LOST)],
+                               num_recomputed_tokens=17, state=WorkerState.LOST)],
                       num_requests=0, num_waiting=4, num_handoffs=0, num_recovered=1,
                       serving=serving)
     s = parse(metrics.render(stats, "tiny").decode())
@@ -250,6 +250,7 @@ def test_metrics_carry_vllm_names_and_the_scheduler_values():
     assert s[("llm_cluster_kv_cache_usage_ratio", worker)] == 0.5
     assert s[("llm_cluster_kv_transfer_bytes_total", worker)] == 1024
     assert s[("llm_cluster_worker_alive", worker)] == 0
+    assert s[("llm_cluster_recomputed_tokens_total", worker)] == 17
     assert not any(name.startswith("llm_cluster_host_kv") for name, _ in s)
 
 

@@ -214,6 +214,7 @@ def test_preempted_sequence_frees_both_tiers_and_offloads_anew_after_recompute()
     assert len(d.outputs["a"]) == 6
     run(d)
     assert d.outputs["a"] == [TOKEN] * 100
+    assert d.sched.num_recomputed_tokens == 454   # all it had computed: 450 + 4 replayed
 
 
 def test_a_recompute_replays_from_its_cached_blocks():
@@ -243,6 +244,7 @@ def test_a_recompute_replays_from_its_cached_blocks():
     assert len(d.outputs["a"]) == 41
     run(d)
     assert d.outputs["a"] == [TOKEN] * 100
+    assert d.sched.num_recomputed_tokens == 9     # 480..488; the cached 480 are hits
 
 
 def test_a_recompute_that_backs_out_counts_its_prefix_hit_once(monkeypatch):
