@@ -39,7 +39,7 @@ from cluster.config import ClusterConfig, EngineConfig, load_config, with_defaul
 from cluster.llm import LLM
 from cluster.openai_protocol import parse_messages
 from cluster.outputs import RequestOutput
-from scheduler.protocol import SamplingParams, StructuredOutputsParams
+from scheduler.protocol import SamplingParams, StructuredOutputsParams, shown
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def _submit(llm: LLM, request_id: str, row: InputRow, defaults: dict[str, Any]) 
             raise ValueError("give exactly one of 'prompt' (text) or 'messages' (chat) per "
                              f"row; this row has {'both' if prompt is not None else 'neither'}")
         if prompt is not None and not isinstance(prompt, str):
-            raise ValueError(f"prompt: got {prompt!r}; expected text")
+            raise ValueError(f"prompt: got {shown(prompt)}; expected text")
         if messages is not None:
             prompt = _chat_text(llm, messages)
         text, token_ids = engine.tokenize_prompt(prompt, add_special_tokens=messages is None)

@@ -9,7 +9,6 @@ is an ``APIError`` that the router renders as ``{"error": {"message", "type", "p
 
 from __future__ import annotations
 
-import reprlib
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
@@ -27,7 +26,7 @@ from pydantic import (
 from cluster.openai_structured import StructuredFields
 from cluster.openai_tools import MessageToolCall, ToolFields
 from cluster.outputs import CompletionOutput, Logprob
-from scheduler.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from scheduler.protocol import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams, shown
 
 
 @dataclass
@@ -249,18 +248,8 @@ def _problem_shown(e: ValidationError, prefix: str = "") -> tuple[str, str]:
     param = ".".join([prefix, *_field_path(err["loc"])] if prefix else _field_path(err["loc"]))
     if err["type"] == "value_error":   # a validator's own words, which name the problem
         return param, f"{param}: {err['ctx']['error']}"
-    shown = f"; got {_SHOWN.repr(err.get('input'))}" if err["type"] != "missing" else ""
-    return param, f"{param}: {err['msg']}{shown}"
-
-
-def _shortened_repr() -> reprlib.Repr:
-    """How an error shows a bad value: enough to recognize, never the whole of a huge one."""
-    r = reprlib.Repr()
-    r.maxlevel, r.maxstring, r.maxlong, r.maxother = 3, 60, 40, 60
-    return r
-
-
-_SHOWN = _shortened_repr()
+    got = f"; got {shown(err.get('input'))}" if err["type"] != "missing" else ""
+    return param, f"{param}: {err['msg']}{got}"
 
 
 def _field_path(loc: tuple[str | int, ...]) -> list[str]:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import json
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,21 @@ import msgpack
 
 _MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20   # alternatives per token a request may ask for, as vLLM's default
+
+
+def _shortened_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxlong, r.maxother = 3, 60, 40, 60
+    return r
+
+
+_SHOWN = _shortened_repr()
+
+
+def shown(value: Any) -> str:
+    """How an error shows a bad value: enough to recognize, never the whole of a huge
+    one (a request's values reach these messages)."""
+    return _SHOWN.repr(value)
 
 
 class Role(str, enum.Enum):
@@ -43,7 +59,7 @@ class Role(str, enum.Enum):
             return cls(value)
         except ValueError:
             allowed = ", ".join(r.value for r in cls)
-            raise ValueError(f"{name}: got {value!r}; allowed: {allowed}") from None
+            raise ValueError(f"{name}: got {shown(value)}; allowed: {allowed}") from None
 
 
 @dataclass
@@ -71,12 +87,12 @@ class StructuredOutputsParams:
                              "json, regex, choice, grammar, json_object")
         if self.choice is not None and (not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice: got {self.choice!r}; expected a "
+            raise ValueError(f"structured_outputs.choice: got {shown(self.choice)}; expected a "
                              "non-empty list of non-empty strings")
         for name in ("json", "regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"structured_outputs.{name}: got {value!r}; expected a "
+                raise ValueError(f"structured_outputs.{name}: got {shown(value)}; expected a "
                                  "non-empty string")
 
 
@@ -117,7 +133,7 @@ class SamplingParams:
                                      ("logit_bias", dict, "a {token id: bias} mapping")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
-                raise ValueError(f"{name}: got {value!r}; expected {expected}")
+                raise ValueError(f"{name}: got {shown(value)}; expected {expected}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
@@ -146,15 +162,16 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: got {s!r}; each stop string must be a non-empty str")
+                raise ValueError(f"stop: got {shown(s)}; each stop string must be a non-empty str")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0, hi=None)
         for t, bias in self.logit_bias.items():
             _check_int("logit_bias", t, lo=0, hi=None, note="keys are token ids")
             _check_float("logit_bias", bias, lo=-100.0, hi=100.0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: got {getattr(self, name)!r}; expected true or false")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}: got {shown(value)}; expected true or false")
 
     @property
     def greedy(self) -> bool:
@@ -168,19 +185,19 @@ class SamplingParams:
 
 def _check_int(name: str, value: Any, lo: int | None, hi: int | None, note: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: got {value!r}; expected an integer")
+        raise ValueError(f"{name}: got {shown(value)}; expected an integer")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
         extra = f" ({note})" if note else ""
-        raise ValueError(f"{name}: got {value}; allowed range is {rng}{extra}")
+        raise ValueError(f"{name}: got {shown(value)}; allowed range is {rng}{extra}")
 
 
 def _check_float(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name}: got {value!r}; expected a number")
+        raise ValueError(f"{name}: got {shown(value)}; expected a number")
     if (value <= lo if lo_open else value < lo) or value > hi:
         left = "(" if lo_open else "["
-        raise ValueError(f"{name}: got {value}; allowed range is {left}{lo}, {hi}]")
+        raise ValueError(f"{name}: got {shown(value)}; allowed range is {left}{lo}, {hi}]")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from scheduler.protocol import (
     SequenceOutput,
     StepOutput,
     StepPlan,
+    StructuredOutputsParams,
     TokenLogprobs,
     WorkerStats,
     decode,
@@ -62,6 +63,20 @@ def test_invalid_sampling_values_name_field_and_range(field, value, message):
     with pytest.raises(ValueError) as e:
         SamplingParams(**{field: value})
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("make,start", [
+    (lambda: SamplingParams(logit_bias=list(range(100_000))), "logit_bias: got [0, 1, 2"),
+    (lambda: SamplingParams(seed="9" * 100_000), "seed: got '9999"),
+    (lambda: StructuredOutputsParams(choice=["x" * 100_000, ""]),
+     "structured_outputs.choice: got ['xxx"),
+])
+def test_a_huge_bad_value_is_shown_shortened(make, start):
+    """A request's values reach these messages, and a message goes back to its client:
+    a huge value is shown by its start, not whole."""
+    with pytest.raises(ValueError) as e:
+        make()
+    assert str(e.value).startswith(start) and len(str(e.value)) < 300
 
 
 def test_top_k_minus_one_means_disabled():
