@@ -25,13 +25,8 @@ _MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20   # alternatives per token a request may ask for, as vLLM's default
 
 
-def _shortened_repr() -> reprlib.Repr:
-    r = reprlib.Repr()
-    r.maxlevel, r.maxstring, r.maxlong, r.maxother = 3, 60, 40, 60
-    return r
-
-
-_SHOWN = _shortened_repr()
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 3, 60, 40, 60
 
 
 def shown(value: Any) -> str:
