@@ -16,8 +16,13 @@ flips early changes every later layer's input: a relative change of 1e-6 in the 
 model's embeddings (HF's untouched) and reports the spread, so that two methods are
 compared by more than one draw each.
 
+The ``w8a8 GPTQ`` configurations run the default model as ``python -m cluster quantize``
+writes it (SmoothQuant + GPTQ, into a temporary directory; about a minute each), the
+second with down_proj kept fp (``--ignore 're:.*down_proj'``).
+
     python -m cluster bench quantization-quality [--tokens N] [--draws N] [--decode]
-                                                 [--configs LABEL ...] [--json PATH]
+                                                 [--configs LABEL ...] [--text FILE]
+                                                 [--json PATH]
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pydoc_data.topics
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +49,12 @@ CONFIGS: dict[str, dict[str, str]] = {
     "w8a8": {"quantization": "w8a8"},
     "int8 KV": {"kv_cache_dtype": "int8"},
     "w8a8 + int8 KV": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
+    "w8a8 GPTQ": {},
+    "w8a8 GPTQ down_proj fp": {},
 }
+# label -> modules ``quantize`` leaves fp, for the configurations that load its checkpoint
+QUANTIZED_CHECKPOINTS: dict[str, list[str]] = {"w8a8 GPTQ": [],
+                                               "w8a8 GPTQ down_proj fp": ["re:.*down_proj"]}
 CHUNK = 128
 NOISE = 1e-6   # relative noise on the embeddings in draws after the first
 
@@ -61,9 +73,12 @@ class Quality:
         return self.perplexity / self.hf_perplexity - 1
 
 
-def text_ids(llm: LLM, num_tokens: int) -> list[int]:
-    text, _ = read_text(None)
-    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+def text_ids(llm: LLM, num_tokens: int, text: str | None = None) -> list[int]:
+    """The first ``num_tokens + 1`` tokens of ``text``: a file, or a topic of Python's
+    language reference (default: ``compound``)."""
+    topics = pydoc_data.topics.topics
+    body = topics[text] if text in topics else read_text(text)[0]
+    ids = llm.get_tokenizer().encode(body, add_special_tokens=False)
     if len(ids) < num_tokens + 1:
         raise ValueError(f"tokens: got {num_tokens}; the text has only {len(ids) - 1}")
     return ids[:num_tokens + 1]
@@ -120,18 +135,20 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 def measure(configs: dict[str, dict[str, str]], num_tokens: int,
             model_path: str | None = None, draws: int = 1,
-            decode: bool = False) -> list[Quality]:
-    """One ``Quality`` per configuration and draw."""
+            decode: bool = False, text: str | None = None) -> list[Quality]:
+    """One ``Quality`` per configuration and draw, on ``text`` (see ``text_ids``)."""
     from workers.loading import default_model_path
 
     path = model_path or default_model_path()
     results: list[Quality] = []
     ids: list[int] = []
     reference = torch.empty(0)
+    scratch = tempfile.TemporaryDirectory(prefix="quantized-")
     for label, kwargs in configs.items():
-        llm = LLM(path, device="cpu", kv_cache_bytes=64 << 20, **kwargs)
+        llm = LLM(_model_for(label, path, scratch.name), device="cpu",
+                  kv_cache_bytes=64 << 20, **kwargs)
         if not ids:
-            ids = text_ids(llm, num_tokens)
+            ids = text_ids(llm, num_tokens, text)
             reference = hf_logits(path, ids)
         model = llm.engine.runner.model
         embed = model.embed
@@ -145,6 +162,17 @@ def measure(configs: dict[str, dict[str, str]], num_tokens: int,
             results.append(Quality(label, draw, len(ids), agree, perplexity(ours, ids),
                                    perplexity(reference, ids)))
     return results
+
+
+def _model_for(label: str, path: str, scratch: str) -> str:
+    """The model a configuration loads: ``path``, or for the ``quantize`` ones its
+    checkpoint written under ``scratch``."""
+    if label not in QUANTIZED_CHECKPOINTS:
+        return path
+    from cluster.quantize import run
+
+    out = Path(scratch) / label.replace(" ", "_").replace(",", "")
+    return str(run(path, str(out), QUANTIZED_CHECKPOINTS[label]).output)
 
 
 def table(results: Sequence[Quality]) -> str:
@@ -174,12 +202,15 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                         f"chunks of {CHUNK})")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                    metavar="LABEL", help=f"which of: {', '.join(CONFIGS)} (default: all)")
+    p.add_argument("--text", metavar="FILE|TOPIC",
+                   help="a UTF-8 text file to score, or a topic of Python's language "
+                   "reference (pydoc_data.topics; default: compound)")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
     if args.draws < 1:
         p.error(f"--draws: got {args.draws}; expected at least 1")
     results = measure({label: CONFIGS[label] for label in args.configs}, args.tokens,
-                      draws=args.draws, decode=args.decode)
+                      draws=args.draws, decode=args.decode, text=args.text)
     print(table(results))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) | {"perplexity_increase":

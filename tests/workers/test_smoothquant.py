@@ -31,7 +31,7 @@ def token_ids(seed: int, n: int = 48) -> list[int]:
 
 def logits(cfg, weights, ids: list[int], quantization: str = "none") -> torch.Tensor:
     model = DecoderLM(cfg, weights, TorchOps(), len(ids), CPU, torch.float32, quantization)
-    return model.compute_logits(prefill(model, ids, CPU))
+    return model.compute_logits(prefill(model, [ids], CPU))
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
@@ -90,7 +90,7 @@ def test_activation_maxima_do_not_depend_on_the_linear_kernel_timed_fastest(
     for name in ("mkl", "onednn"):
         monkeypatch.setattr(CpuOps, "linear_candidates", lambda self, w, name=name:
                             [c for c in offered(self, w) if c.name == name])
-        monkeypatch.setattr(calibration, "_calibration_ops",
+        monkeypatch.setattr(calibration, "calibration_ops",
                             lambda device: CpuOps(LinearChooser()))
         got.append(activation_maxima(ck.config, ck.weights, ids, CPU))
     for mkl, onednn in zip(*got):

@@ -16,6 +16,7 @@ layer.
 from __future__ import annotations
 
 import pydoc_data.topics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +85,7 @@ class _RecordingOps:
         return self.linear(self.inner.silu_and_mul(self.linear(x, gate_up)), down)
 
 
-def _calibration_ops(device: torch.device) -> Ops:
+def calibration_ops(device: torch.device) -> Ops:
     """The CPU kernels on CPU (3-4x the reference ops' speed for this prefill); the
     reference ops elsewhere, since flash-attn and the NPU's attention take no fp32."""
     return get_ops(device) if device.type == "cpu" else TorchOps()
@@ -96,29 +97,37 @@ def activation_maxima(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
     ``token_ids``; ``weights`` are fp (HF names), not changed."""
     if not token_ids:
         raise ValueError("calibration: got no token ids; expected at least one")
-    ops = _RecordingOps(_calibration_ops(device))
+    ops = _RecordingOps(calibration_ops(device))
     model = DecoderLM(cfg, weights, ops, len(token_ids), device, torch.float32)
     for i, layer in enumerate(model.layers):
         for kind in KINDS:
             ops.keys[id(getattr(layer, kind + "_w"))] = (i, kind)
-    prefill(model, token_ids, device)
+    prefill(model, [token_ids], device)
     return [LayerMaxima(*(ops.maxima[(i, kind)] for kind in KINDS))
             for i in range(cfg.num_layers)]
 
 
-def prefill(model: DecoderLM, token_ids: list[int], device: torch.device) -> torch.Tensor:
-    """The final hidden states [T, hidden] of one sequence run as a single prefill over
-    a fresh fp32 pool of its own."""
-    cfg, n = model.cfg, len(token_ids)
-    num_blocks = -(-n // _BLOCK)
+def prefill(model: DecoderLM, sequences: Sequence[list[int]],
+            device: torch.device) -> torch.Tensor:
+    """The final hidden states [T, hidden] of ``sequences`` (token ids each), run as one
+    prefill over a fresh fp32 pool of their own, their tokens in order."""
+    cfg = model.cfg
+    counts = [-(-len(s) // _BLOCK) for s in sequences]
     shape = KVShape(cfg.num_layers, _BLOCK, cfg.num_kv_heads, cfg.head_dim, torch.float32,
                     model.ops.kv_layout)
-    kv = model.ops.allocate_kv(shape, num_blocks, device)
+    kv = model.ops.allocate_kv(shape, sum(counts), device)
+    segments, slots, positions, start, first = [], [], [], 0, 0
+    for seq, count in zip(sequences, counts):
+        n = len(seq)
+        blocks = torch.arange(first, first + count, device=device)
+        segments.append(PrefillSegment(start, n, n, blocks))
+        slots.append(first * _BLOCK + torch.arange(n, device=device))
+        positions.append(torch.arange(n, device=device))
+        start, first = start + n, first + count
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, device=device), num_decode_tokens=0,
+        slot_mapping=torch.cat(slots), num_decode_tokens=0,
         decode_block_tables=torch.zeros((0, 1), dtype=torch.int64, device=device),
         decode_seq_lens=torch.zeros(0, dtype=torch.int64, device=device),
-        prefills=[PrefillSegment(0, n, n, torch.arange(num_blocks, device=device))],
-        block_size=_BLOCK)
-    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-    return model.forward(ids, torch.arange(n, device=device), kv, meta)
+        prefills=segments, block_size=_BLOCK)
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.int64, device=device)
+    return model.forward(ids, torch.cat(positions), kv, meta)

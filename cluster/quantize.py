@@ -1,0 +1,155 @@
+"""``python -m cluster quantize``: an fp checkpoint (HF directory, ``.gguf`` file or the
+embedded default) written as a compressed-tensors W8A8 int8 checkpoint, the format
+llm-compressor writes and vLLM and this engine load (``loading/compressed_tensors.py``).
+
+The recipe is llm-compressor's W8A8 one: SmoothQuant (``models/smoothquant.py``, as
+``w8a8`` applies at load), then GPTQ (``models/gptq.py``) instead of rounding each
+weight to nearest. That takes about a minute for the default model, which is why it is
+a step of its own rather than part of every load. Modules named in ``ignore`` (names or
+``re:`` patterns, compressed-tensors' rule) keep fp weights and run unquantized; the
+LM head always does, as in ``w8a8`` at load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvcache.build_cache import cache_root
+from workers.loading import load_checkpoint
+from workers.loading.checkpoint import Checkpoint
+from workers.loading.compressed_tensors import is_ignored
+from workers.loading.gguf_checkpoint import converted_dir
+from workers.models.calibration import KINDS
+from workers.models.gptq import gptq_calibration_ids, gptq_model
+from workers.models.smoothquant import smooth_for_w8a8
+
+log = logging.getLogger(__name__)
+_CPU = torch.device("cpu")
+
+# What each fused linear layer (``calibration.KINDS``) is made of, as HF modules.
+MODULES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+           "down": ("mlp.down_proj",)}
+_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
+                 "*.pt", "*.pth", "meta.json")
+
+
+def quantization_config(ignore: list[str]) -> dict:
+    """config.json's ``quantization_config``: int8 weights per channel, int8 activations
+    per token, dynamic and asymmetric (what the engine runs, and what GPTQ saw)."""
+    return {
+        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quantization_status": "compressed", "ignore": ignore, "kv_cache_scheme": None,
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "output_activations": None,
+            "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                        "strategy": "channel", "dynamic": False, "group_size": None,
+                        "observer": "minmax"},
+            "input_activations": {"num_bits": 8, "type": "int", "symmetric": False,
+                                  "strategy": "token", "dynamic": True, "observer": None}}},
+    }
+
+
+@dataclass
+class QuantizeReport:
+    output: Path
+    quantized: int      # fused linear layers in int8
+    kept: int           # fused linear layers left fp by ``ignore``
+    calibration_tokens: int
+    seconds: float
+
+
+def left_fp(num_layers: int, ignore: list[str]) -> set[tuple[int, str]]:
+    """The (layer, kind) pairs that ``ignore`` leaves fp. A fused layer's modules share
+    their input and one int8 product, so ``ignore`` takes all of them or none."""
+    kept = set()
+    for i in range(num_layers):
+        for kind in KINDS:
+            names = [f"model.layers.{i}.{m}.weight" for m in MODULES[kind]]
+            hits = [is_ignored(n, ignore) for n in names]
+            if any(hits) and not all(hits):
+                split = ", ".join(n.removesuffix(".weight") for n, h in zip(names, hits) if h)
+                raise ValueError(f"ignore: {split} without the rest of "
+                                 f"{', '.join(MODULES[kind])}, which share one int8 product; "
+                                 "ignore all of them or none")
+            if all(hits):
+                kept.add((i, kind))
+    return kept
+
+
+def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] | None = None
+                        ) -> QuantizeReport:
+    """Write ``checkpoint`` (fp weights, with a tokenizer for the calibration text) to the
+    new directory ``output`` as a W8A8 int8 checkpoint, computed on the CPU."""
+    start = time.perf_counter()
+    cfg, tokenizer = checkpoint.config, checkpoint.tokenizer
+    if any(w.dtype == torch.int8 for w in checkpoint.weights.values()):
+        raise ValueError(f"model {checkpoint.path}: its weights are int8 already; give the "
+                         "fp checkpoint it was made from")
+    if tokenizer is None:
+        raise ValueError(f"model {checkpoint.path}: no tokenizer to read the calibration text "
+                         "with; pass --tokenizer DIR")
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"--output {output}: not empty; give a new directory")
+    ignore = ["lm_head", *(p for p in ignore or [] if p != "lm_head")]
+    kept = left_fp(cfg.num_layers, ignore)
+    weights = smooth_for_w8a8(cfg, checkpoint.weights, tokenizer, _CPU)
+    sequences = gptq_calibration_ids(tokenizer)
+    int8 = gptq_model(cfg, weights, sequences, _CPU, lambda i, kind: (i, kind) in kept)
+    tensors = {name: t.contiguous().cpu() for name, t in weights.items()}
+    for (i, kind), w in int8.items():
+        row = 0
+        for module in MODULES[kind]:
+            name = f"model.layers.{i}.{module}"
+            rows = tensors[name + ".weight"].shape[0]
+            tensors[name + ".weight"] = w.qweight[row:row + rows].contiguous()
+            tensors[name + ".weight_scale"] = w.scale[row:row + rows, None].contiguous()
+            row += rows
+    _write(_source_dir(checkpoint), output, tensors, ignore)
+    return QuantizeReport(output, len(int8), len(kept), sum(map(len, sequences)),
+                          time.perf_counter() - start)
+
+
+def _source_dir(checkpoint: Checkpoint) -> Path:
+    """The HF directory whose config and tokenizer files the output copies: the
+    checkpoint's own, or a GGUF file's cached conversion."""
+    path = Path(checkpoint.path)
+    if path.is_dir():
+        return path
+    return converted_dir(path, cache_root(), require_tokenizer=False).directory
+
+
+def _write(source: Path, output: Path, tensors: dict[str, torch.Tensor],
+           ignore: list[str]) -> None:
+    """The source directory's files other than weights, config.json with the
+    quantization config added, and the tensors, written to a temporary directory that
+    then takes ``output``'s name: a failure leaves no half-written checkpoint."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(output.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*_WEIGHT_FILES))
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config(ignore)
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    if output.exists():
+        output.rmdir()      # checked empty above
+    partial.rename(output)
+
+
+def run(model: str | None, output: str, ignore: list[str] | None = None,
+        tokenizer: str | None = None) -> QuantizeReport:
+    """The command: load ``model`` in fp32, quantize it, write ``output``."""
+    checkpoint = load_checkpoint(model, torch.float32, tokenizer)
+    report = quantize_checkpoint(checkpoint, Path(output).expanduser().resolve(), ignore)
+    log.info("quantized %d linear layers (%d kept fp) over %d calibration tokens in %.0f s",
+             report.quantized, report.kept, report.calibration_tokens, report.seconds)
+    return report

@@ -1,0 +1,170 @@
+"""GPTQ (workers/models/gptq.py) and the offline ``quantize`` command (cluster/quantize.py).
+
+Oracles: round-to-nearest where GPTQ must reduce to it, the least-squares correction of
+a second column worked out by hand, and a dense fp32 product of the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pydoc_data.topics
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from cluster.quantize import MODULES, quantize_checkpoint
+from tests.workers.test_smoothquant import CPU, ByteTokenizer, logits
+from workers.loading import load_checkpoint
+from workers.models.gptq import gptq_int8
+from workers.models.smoothquant import smooth_for_w8a8
+from workers.ops.quant_linear import quantize_rows
+
+
+def test_with_uncorrelated_inputs_it_rounds_to_nearest():
+    """A diagonal ``X^T X``: no column's error can be made up in another."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 40, generator=g)
+    h = torch.diag(torch.rand(40, generator=g) + 0.1)
+    q, scale = gptq_int8(w, h)
+    want_q, want_scale = quantize_rows(w)
+    assert torch.equal(q, want_q)
+    torch.testing.assert_close(scale, want_scale)
+
+
+def test_the_second_column_takes_up_the_first_ones_error():
+    """Inputs of columns 0 and 1 correlate (H01 = 0.9, unit variances); column 2 holds
+    the row's max, so the step s is 1/127. Column 0 (10.4 s) rounds to 10, an error of
+    0.4 s; the least-squares choice for column 1 is then its own weight plus
+    0.4 s * H01 / H11 = 20.3 s + 0.36 s = 20.66 s, which rounds to 21, not 20."""
+    s = 1 / 127
+    w = torch.tensor([[10.4 * s, 20.3 * s, 1.0]], dtype=torch.float64)
+    h = torch.tensor([[1.0, 0.9, 0.0], [0.9, 1.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    q, scale = gptq_int8(w, h, damping=0.0)
+    assert q.tolist() == [[10, 21, 127]]
+    assert quantize_rows(w)[0].tolist() == [[10, 20, 127]]
+    assert scale.item() == pytest.approx(s)
+
+
+def test_it_leaves_less_output_error_than_rounding_to_nearest():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 64, generator=g, dtype=torch.float64) @ torch.randn(
+        64, 64, generator=g, dtype=torch.float64)          # correlated inputs
+    w = torch.randn(48, 64, generator=g, dtype=torch.float64)
+
+    def error(q, scale):
+        return torch.linalg.norm(x @ (w - q.double() * scale.double()[:, None]).T)
+
+    gptq, nearest = error(*gptq_int8(w, x.T @ x)), error(*quantize_rows(w))
+    assert gptq < 0.8 * nearest          # 0.69 here
+
+
+# ---- the command ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quantize(tiny_factory, tmp_path_factory):
+    """The tiny llama, with a tokenizer for the calibration text, quantized (cached by
+    ``ignore``)."""
+    ck = dataclasses.replace(load_checkpoint(tiny_factory("llama").path),
+                             tokenizer=ByteTokenizer())
+    done = {}
+
+    def get(*ignore: str):
+        if ignore not in done:
+            out = tmp_path_factory.mktemp("gptq") / "int8"
+            done[ignore] = ck, out, quantize_checkpoint(ck, out, ignore=list(ignore))
+        return done[ignore]
+    return get
+
+
+def test_the_checkpoint_loads_int8_with_what_it_ignores_fp(quantize):
+    ck, out, report = quantize("re:.*down_proj")
+    n = ck.config.num_layers
+    assert (report.quantized, report.kept) == (3 * n, n)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head", "re:.*down_proj"]
+    loaded = load_checkpoint(str(out))
+    for i in range(n):
+        for kind, modules in MODULES.items():
+            for m in modules:
+                w = loaded.weights[f"model.layers.{i}.{m}.weight"]
+                assert w.dtype == (torch.float32 if kind == "down" else torch.int8)
+                if kind != "down":
+                    assert loaded.weights[f"model.layers.{i}.{m}.weight_scale"].shape == (
+                        w.shape[0], 1)
+    assert loaded.config == ck.config
+
+
+def test_its_logits_are_closer_to_fp32_than_w8a8_at_load(quantize):
+    """Held-out text (not the calibration topics): the GPTQ checkpoint against the same
+    model quantized at load (SmoothQuant, weights rounded to nearest), both against the
+    fp32 model's logits."""
+    ck, out, _ = quantize()
+    ids = ByteTokenizer().encode(pydoc_data.topics.topics["compound"])[:256]
+    fp = logits(ck.config, ck.weights, ids)
+    loaded = load_checkpoint(str(out))
+    gptq = logits(loaded.config, loaded.weights, ids)
+    smoothed = smooth_for_w8a8(ck.config, ck.weights, ck.tokenizer, CPU)
+    nearest = logits(ck.config, smoothed, ids, "w8a8")
+    assert (gptq - fp).abs().mean() < 0.9 * (nearest - fp).abs().mean()   # 0.80 here
+
+
+def test_the_engine_serves_it(quantize):
+    _, out, _ = quantize()
+    llm = LLM(str(out), device="cpu", kv_cache_bytes=1 << 20)
+    got = llm.generate([{"prompt_token_ids": [5, 6, 7]}],
+                       SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(got[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("ignore,message", [
+    (["re:.*k_proj"], "model.layers.0.self_attn.k_proj without the rest of"),
+    (["model.layers.1.mlp.up_proj"], "model.layers.1.mlp.up_proj without the rest of"),
+])
+def test_ignoring_part_of_a_fused_layer_is_refused(tiny_factory, tmp_path, ignore, message):
+    ck = dataclasses.replace(load_checkpoint(tiny_factory("llama").path),
+                             tokenizer=ByteTokenizer())
+    with pytest.raises(ValueError, match=message):
+        quantize_checkpoint(ck, tmp_path / "out", ignore=ignore)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_int8_checkpoint_or_a_used_directory_is_refused(quantize, tmp_path):
+    ck, out, _ = quantize()
+    with pytest.raises(ValueError, match="int8 already"):
+        quantize_checkpoint(dataclasses.replace(load_checkpoint(str(out)),
+                                                tokenizer=ByteTokenizer()), tmp_path / "x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "f").write_text("x")
+    with pytest.raises(ValueError, match="not empty"):
+        quantize_checkpoint(ck, tmp_path / "used")
+
+
+def test_the_command_writes_a_checkpoint_that_keeps_its_tokenizer(tiny_builder, tmp_path,
+                                                                  capsys):
+    from cluster.cli import main
+    from tests.cluster.test_tool_serving import SPECIALS, _write_tokenizer
+
+    src = tmp_path / "qwen2"
+    src.mkdir()
+    tiny_builder("qwen2", src, vocab_size=len(SPECIALS) + 256)   # biases on QKV
+    _write_tokenizer(src)
+    out = tmp_path / "int8"
+    assert main(["quantize", "--model", str(src), "--output", str(out)]) == 0
+    assert f"serve it with: python -m cluster serve {out}" in capsys.readouterr().out
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    weights = load_checkpoint(str(out)).weights
+    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    llm = LLM(str(out), device="cpu", kv_cache_bytes=1 << 20)
+    got = llm.chat([{"role": "user", "content": "hi"}],
+                   SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(got[0].outputs[0].token_ids) == 3
+
+
+def test_the_command_names_a_missing_tokenizer(tiny_factory, tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["quantize", "--model", tiny_factory("llama").path,
+                 "--output", str(tmp_path / "out")]) == 2
+    assert "no tokenizer to read the calibration text with; pass --tokenizer DIR" in (
+        capsys.readouterr().err)
