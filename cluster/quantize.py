@@ -85,10 +85,12 @@ def left_fp(num_layers: int, ignore: list[str]) -> set[tuple[int, str]]:
     return kept
 
 
-def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] | None = None
-                        ) -> QuantizeReport:
+def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] | None = None,
+                        tokenizer_dir: Path | None = None) -> QuantizeReport:
     """Write ``checkpoint`` (fp weights, with a tokenizer for the calibration text) to the
-    new directory ``output`` as a W8A8 int8 checkpoint, computed on the CPU."""
+    new directory ``output`` as a W8A8 int8 checkpoint, computed on the CPU.
+    ``tokenizer_dir``: where the checkpoint's tokenizer came from, when not from its own
+    directory; its files go into ``output`` too."""
     start = time.perf_counter()
     cfg, tokenizer = checkpoint.config, checkpoint.tokenizer
     if any(w.dtype == torch.int8 for w in checkpoint.weights.values()):
@@ -113,7 +115,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
             tensors[name + ".weight"] = w.qweight[row:row + rows].contiguous()
             tensors[name + ".weight_scale"] = w.scale[row:row + rows, None].contiguous()
             row += rows
-    _write(_source_dir(checkpoint), output, tensors, ignore)
+    _write(_source_dir(checkpoint), tokenizer_dir, output, tensors, ignore)
     return QuantizeReport(output, len(int8), len(kept), sum(map(len, sequences)),
                           time.perf_counter() - start)
 
@@ -127,29 +129,45 @@ def _source_dir(checkpoint: Checkpoint) -> Path:
     return converted_dir(path, cache_root(), require_tokenizer=False).directory
 
 
-def _write(source: Path, output: Path, tensors: dict[str, torch.Tensor],
-           ignore: list[str]) -> None:
-    """The source directory's files other than weights, config.json with the
-    quantization config added, and the tensors, written to a temporary directory that
-    then takes ``output``'s name: a failure leaves no half-written checkpoint."""
+def _write(source: Path, tokenizer_dir: Path | None, output: Path,
+           tensors: dict[str, torch.Tensor], ignore: list[str]) -> None:
+    """The source directory's files other than weights (then ``tokenizer_dir``'s), config.json
+    with the quantization config added, and the tensors (fp ones in the dtype the source
+    declares), written to a temporary directory that then takes ``output``'s name: a
+    failure leaves no half-written checkpoint."""
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     shutil.copytree(source, partial, ignore=shutil.ignore_patterns(*_WEIGHT_FILES))
+    if tokenizer_dir is not None:
+        shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(*_WEIGHT_FILES, "config.json"))
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = quantization_config(ignore)
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    dtype = _declared_dtype(config)
+    save_file({n: t if t.dtype == torch.int8 or n.endswith(".weight_scale") else t.to(dtype)
+               for n, t in tensors.items()},
+              str(partial / "model.safetensors"), metadata={"format": "pt"})
     if output.exists():
         output.rmdir()      # checked empty above
     partial.rename(output)
+
+
+def _declared_dtype(config: dict) -> torch.dtype:
+    """The float dtype config.json declares (``torch_dtype``, or ``dtype`` as newer
+    transformers write it); fp32 when it declares none."""
+    name = config.get("torch_dtype") or config.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def run(model: str | None, output: str, ignore: list[str] | None = None,
         tokenizer: str | None = None) -> QuantizeReport:
     """The command: load ``model`` in fp32, quantize it, write ``output``."""
     checkpoint = load_checkpoint(model, torch.float32, tokenizer)
-    report = quantize_checkpoint(checkpoint, Path(output).expanduser().resolve(), ignore)
+    report = quantize_checkpoint(checkpoint, Path(output).expanduser().resolve(), ignore,
+                                 Path(tokenizer).expanduser() if tokenizer else None)
     log.info("quantized %d linear layers (%d kept fp) over %d calibration tokens in %.0f s",
              report.quantized, report.kept, report.calibration_tokens, report.seconds)
     return report

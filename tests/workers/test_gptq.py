@@ -12,6 +12,7 @@ import pydoc_data.topics
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from cluster import LLM, SamplingParams
 from cluster.quantize import MODULES, quantize_checkpoint
@@ -140,25 +141,47 @@ def test_an_int8_checkpoint_or_a_used_directory_is_refused(quantize, tmp_path):
         quantize_checkpoint(ck, tmp_path / "used")
 
 
-def test_the_command_writes_a_checkpoint_that_keeps_its_tokenizer(tiny_builder, tmp_path,
-                                                                  capsys):
+def test_the_command_writes_a_checkpoint_that_keeps_its_tokenizer_and_dtype(
+        tiny_builder, tmp_path, capsys):
+    """A bf16 qwen2 (biases on QKV) with its own tokenizer: the fp tensors are written
+    in the dtype its config declares, the int8 ones int8, and the tokenizer goes along."""
     from cluster.cli import main
     from tests.cluster.test_tool_serving import SPECIALS, _write_tokenizer
 
     src = tmp_path / "qwen2"
     src.mkdir()
-    tiny_builder("qwen2", src, vocab_size=len(SPECIALS) + 256)   # biases on QKV
+    tiny_builder("qwen2", src, vocab_size=len(SPECIALS) + 256)
     _write_tokenizer(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}))
     out = tmp_path / "int8"
     assert main(["quantize", "--model", str(src), "--output", str(out)]) == 0
     assert f"serve it with: python -m cluster serve {out}" in capsys.readouterr().out
     assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    weights = load_checkpoint(str(out)).weights
-    assert weights["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert stored["model.layers.0.self_attn.q_proj.weight"].dtype == torch.int8
+    assert stored["model.layers.0.self_attn.q_proj.weight_scale"].dtype == torch.float32
     llm = LLM(str(out), device="cpu", kv_cache_bytes=1 << 20)
     got = llm.chat([{"role": "user", "content": "hi"}],
                    SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(got[0].outputs[0].token_ids) == 3
+
+
+def test_a_tokenizer_given_apart_goes_into_the_checkpoint(tiny_builder, tmp_path):
+    from cluster.cli import main
+    from tests.cluster.test_tool_serving import SPECIALS, _write_tokenizer
+
+    src, tok = tmp_path / "llama", tmp_path / "tokenizer"
+    src.mkdir()
+    tok.mkdir()
+    tiny_builder("llama", src, vocab_size=len(SPECIALS) + 256)
+    _write_tokenizer(tok)
+    out = tmp_path / "int8"
+    assert main(["quantize", "--model", str(src), "--tokenizer", str(tok),
+                 "--output", str(out)]) == 0
+    assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert load_checkpoint(str(out)).tokenizer is not None
 
 
 def test_the_command_names_a_missing_tokenizer(tiny_factory, tmp_path, capsys):
