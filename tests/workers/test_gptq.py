@@ -64,17 +64,17 @@ def test_it_leaves_less_output_error_than_rounding_to_nearest():
 # ---- the command ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def quantize(tiny_factory, tmp_path_factory):
-    """The tiny llama, with a tokenizer for the calibration text, quantized (cached by
-    ``ignore``)."""
-    ck = dataclasses.replace(load_checkpoint(tiny_factory("llama").path),
-                             tokenizer=ByteTokenizer())
+    """A tiny checkpoint (llama unless named), with a tokenizer for the calibration text,
+    quantized (cached by architecture and ``ignore``)."""
     done = {}
 
-    def get(*ignore: str):
-        if ignore not in done:
+    def get(*ignore: str, arch: str = "llama"):
+        if (arch, ignore) not in done:
+            ck = dataclasses.replace(load_checkpoint(tiny_factory(arch).path),
+                                     tokenizer=ByteTokenizer())
             out = tmp_path_factory.mktemp("gptq") / "int8"
-            done[ignore] = ck, out, quantize_checkpoint(ck, out, ignore=list(ignore))
-        return done[ignore]
+            done[arch, ignore] = ck, out, quantize_checkpoint(ck, out, ignore=list(ignore))
+        return done[arch, ignore]
     return get
 
 
@@ -96,18 +96,19 @@ def test_the_checkpoint_loads_int8_with_what_it_ignores_fp(quantize):
     assert loaded.config == ck.config
 
 
-def test_its_logits_are_closer_to_fp32_than_w8a8_at_load(quantize):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "pangu"])   # + q/k norms; + biases
+def test_its_logits_are_closer_to_fp32_than_w8a8_at_load(quantize, arch):
     """Held-out text (not the calibration topics): the GPTQ checkpoint against the same
     model quantized at load (SmoothQuant, weights rounded to nearest), both against the
     fp32 model's logits."""
-    ck, out, _ = quantize()
+    ck, out, _ = quantize(arch=arch)
     ids = ByteTokenizer().encode(pydoc_data.topics.topics["compound"])[:256]
     fp = logits(ck.config, ck.weights, ids)
     loaded = load_checkpoint(str(out))
     gptq = logits(loaded.config, loaded.weights, ids)
     smoothed = smooth_for_w8a8(ck.config, ck.weights, ck.tokenizer, CPU)
     nearest = logits(ck.config, smoothed, ids, "w8a8")
-    assert (gptq - fp).abs().mean() < 0.9 * (nearest - fp).abs().mean()   # 0.80 here
+    assert (gptq - fp).abs().mean() < 0.9 * (nearest - fp).abs().mean()   # 0.71-0.80 here
 
 
 def test_the_engine_serves_it(quantize):
