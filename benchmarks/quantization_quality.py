@@ -21,7 +21,7 @@ writes it (SmoothQuant + GPTQ, into a temporary directory; about a minute each),
 second with down_proj kept fp (``--ignore 're:.*down_proj'``).
 
     python -m cluster bench quantization-quality [--tokens N] [--draws N] [--decode]
-                                                 [--configs LABEL ...] [--text FILE]
+                                                 [--configs LABEL ...] [--text FILE|TOPIC]
                                                  [--json PATH]
 """
 
@@ -171,7 +171,7 @@ def _model_for(label: str, path: str, scratch: str) -> str:
         return path
     from cluster.quantize import run
 
-    out = Path(scratch) / label.replace(" ", "_").replace(",", "")
+    out = Path(scratch) / label.replace(" ", "_")
     return str(run(path, str(out), QUANTIZED_CHECKPOINTS[label]).output)
 
 
