@@ -105,7 +105,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
     kept = left_fp(cfg.num_layers, ignore)
     weights = smooth_for_w8a8(cfg, checkpoint.weights, tokenizer, _CPU)
     sequences = gptq_calibration_ids(tokenizer)
-    int8 = gptq_model(cfg, weights, sequences, _CPU, lambda i, kind: (i, kind) in kept)
+    int8 = gptq_model(cfg, weights, sequences, _CPU, kept)
     tensors = {name: t.contiguous().cpu() for name, t in weights.items()}
     for (i, kind), w in int8.items():
         row = 0

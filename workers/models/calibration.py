@@ -16,7 +16,7 @@ layer.
 from __future__ import annotations
 
 import pydoc_data.topics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,17 +52,25 @@ def calibration_ids(tokenizer: Tokenizer) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)[:CALIBRATION_TOKENS]
 
 
-class _RecordingOps:
-    """Another backend's ops, keeping the running max|x| per input channel of each
-    linear layer registered in ``keys`` (by the identity of its packed weight)."""
+class SiteOps:
+    """Another backend's ops with the decoder layers' linear layers left fp and the MLP
+    unfused, so that a subclass's ``linear`` sees the input of every product; the
+    products it acts on are the sites ``register`` names, (layer, kind) by the identity
+    of their fp weight."""
 
     def __init__(self, inner: Ops) -> None:
         self.inner = inner
-        self.keys: dict[int, tuple[int, str]] = {}
-        self.maxima: dict[tuple[int, str], torch.Tensor] = {}
+        self.sites: dict[int, tuple[int, str]] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def register(self, model: DecoderLM, skip: Collection[tuple[int, str]] = ()) -> None:
+        """Every fused linear layer of ``model`` (``KINDS``) but those in ``skip``."""
+        for i, layer in enumerate(model.layers):
+            for kind in KINDS:
+                if (i, kind) not in skip:
+                    self.sites[id(getattr(layer, kind + "_w"))] = (i, kind)
 
     def pack_linear(self, weight: torch.Tensor, quantization: str = "none") -> torch.Tensor:
         """The fp weight as it is, so that ``linear`` computes it with ``F.linear``: the
@@ -71,18 +79,26 @@ class _RecordingOps:
         every rounding of the quantized weights) depend on the machine's load."""
         return weight
 
-    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        key = self.keys.get(id(weight))
-        if key is not None:
-            amax = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
-            old = self.maxima.get(key)
-            self.maxima[key] = amax if old is None else torch.maximum(old, amax)
-        return self.inner.linear(x, weight, bias)
-
     def mlp(self, x: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
         """Unfused, so that both products' inputs pass through ``linear``."""
         return self.linear(self.inner.silu_and_mul(self.linear(x, gate_up)), down)
+
+
+class _RecordingOps(SiteOps):
+    """Keeps the running max|x| per input channel of each registered site."""
+
+    def __init__(self, inner: Ops) -> None:
+        super().__init__(inner)
+        self.maxima: dict[tuple[int, str], torch.Tensor] = {}
+
+    def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        site = self.sites.get(id(weight))
+        if site is not None:
+            amax = x.reshape(-1, x.shape[-1]).abs().amax(0).float()
+            old = self.maxima.get(site)
+            self.maxima[site] = amax if old is None else torch.maximum(old, amax)
+        return self.inner.linear(x, weight, bias)
 
 
 def calibration_ops(device: torch.device) -> Ops:
@@ -99,9 +115,7 @@ def activation_maxima(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
         raise ValueError("calibration: got no token ids; expected at least one")
     ops = _RecordingOps(calibration_ops(device))
     model = DecoderLM(cfg, weights, ops, len(token_ids), device, torch.float32)
-    for i, layer in enumerate(model.layers):
-        for kind in KINDS:
-            ops.keys[id(getattr(layer, kind + "_w"))] = (i, kind)
+    ops.register(model)
     prefill(model, [token_ids], device)
     return [LayerMaxima(*(ops.maxima[(i, kind)] for kind in KINDS))
             for i in range(cfg.num_layers)]

@@ -21,13 +21,13 @@ minute for the default model on two cores, too slow for every load.
 from __future__ import annotations
 
 import pydoc_data.topics
-from collections.abc import Callable, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from workers.model_config import ModelArchConfig
-from workers.models.calibration import KINDS, calibration_ops, prefill
+from workers.models.calibration import SiteOps, calibration_ops, prefill
 from workers.models.decoder import DecoderLM
 from workers.ops.base import Ops
 from workers.ops.quant_linear import Int8Weight, quantize_activations, w8a8_linear
@@ -85,55 +85,36 @@ def gptq_int8(weight: torch.Tensor, hessian: torch.Tensor, damping: float = DAMP
     return q[:, torch.argsort(order)].to(torch.int8), scale.float()
 
 
-class _GptqOps:
-    """Another backend's ops, quantizing each linear layer registered in ``sites`` (by the
-    identity of its fp weight) the first time it runs, and from then on computing it
-    as w8a8 (``quant_linear.w8a8_linear``, the engine's reference arithmetic)."""
+class _GptqOps(SiteOps):
+    """Quantizes each registered site the first time it runs, and from then on computes
+    it as w8a8 (``quant_linear.w8a8_linear``, the engine's reference arithmetic)."""
 
-    def __init__(self, inner: Ops, on_quantized: Callable[[Any, Int8Weight], None]) -> None:
-        self.inner = inner
-        self.sites: dict[int, Any] = {}
-        self.done: dict[int, Int8Weight] = {}
-        self.on_quantized = on_quantized
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def pack_linear(self, weight: torch.Tensor, quantization: str = "none") -> torch.Tensor:
-        return weight    # fp as it is: see calibration._RecordingOps.pack_linear
+    def __init__(self, inner: Ops) -> None:
+        super().__init__(inner)
+        self.done: dict[tuple[int, str], Int8Weight] = {}
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
                ) -> torch.Tensor:
-        key = id(weight)
-        if key not in self.sites:
+        site = self.sites.get(id(weight))
+        if site is None:
             return self.inner.linear(x, weight, bias)
-        if key not in self.done:
+        if site not in self.done:
             q, s, z = quantize_activations(x.reshape(-1, x.shape[-1]))
             xq = (q.double() - z[:, None]) * s[:, None].double()
-            self.done[key] = Int8Weight.from_int8("w8a8", *gptq_int8(weight, xq.T @ xq))
-            self.on_quantized(self.sites[key], self.done[key])
-        return w8a8_linear(x, self.done[key], bias)
-
-    def mlp(self, x: torch.Tensor, gate_up: Any, down: Any) -> torch.Tensor:
-        """Unfused, so that both products pass through ``linear``."""
-        return self.linear(self.inner.silu_and_mul(self.linear(x, gate_up)), down)
+            self.done[site] = Int8Weight.from_int8("w8a8", *gptq_int8(weight, xq.T @ xq))
+        return w8a8_linear(x, self.done[site], bias)
 
 
 def gptq_model(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
                sequences: Sequence[list[int]], device: torch.device,
-               ignored: Callable[[int, str], bool] = lambda layer, kind: False
+               keep_fp: Collection[tuple[int, str]] = ()
                ) -> dict[tuple[int, str], Int8Weight]:
     """Each decoder layer's fused linear layers (``calibration.KINDS``) quantized by GPTQ
-    over one prefill of ``sequences``, keyed (layer, kind); those ``ignored`` says are
-    left out stay fp (and run fp in the pass too). ``weights``: fp, HF names, not
-    changed."""
-    out: dict[tuple[int, str], Int8Weight] = {}
-    ops = _GptqOps(calibration_ops(device), lambda site, w: out.__setitem__(site, w))
+    over one prefill of ``sequences``, keyed (layer, kind); those in ``keep_fp`` stay
+    fp (and run fp in the pass too). ``weights``: fp, HF names, not changed."""
+    ops = _GptqOps(calibration_ops(device))
     longest = max(len(s) for s in sequences)
     model = DecoderLM(cfg, weights, ops, longest, device, torch.float32)
-    for i, layer in enumerate(model.layers):
-        for kind in KINDS:
-            if not ignored(i, kind):
-                ops.sites[id(getattr(layer, kind + "_w"))] = (i, kind)
+    ops.register(model, skip=keep_fp)
     prefill(model, sequences, device)
-    return out
+    return ops.done
