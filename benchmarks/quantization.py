@@ -1,17 +1,17 @@
 """``python -m cluster bench quantization``: batch-1 decode speed of the default model
 with fp32, w8a16 and w8a8 linear layers, against HF transformers ``generate`` and
-llama.cpp (on the GGUF's own Q4_1 weights); Workload A's offline throughput with w8a8
-and int8 KV against fp32 with fp16 KV (the offline benchmark's engine setting); and how
-many sequences one KV budget holds with int8 against fp16 KV.
+llama.cpp (on the GGUF's own Q4_1 weights); Workload A's offline throughput with w8a8 or
+w8a16 and int8 KV against fp32 with fp16 KV (the offline benchmark's engine setting);
+and how many sequences one KV budget holds with int8 against fp16 KV.
 
 Decode: one request at a time, a short prompt and ``--tokens`` greedy tokens (EOS
 ignored), so the time is the decode steps; every configuration runs once per round, in
 rotating order, for ``--rounds`` rounds in one process on the same prompt; the median
 round is reported with its ratio to llama.cpp. Workload A: ``--requests`` requests of
 ``benchmarks.workloads.WORKLOAD_A`` (seed 0) submitted at once, prefix caching off,
-through the engine with fp32 + fp16 KV and with w8a8 + int8 KV, once per round in
-rotating order for ``--rounds`` rounds, each with the fraction of its linear-layer
-roofline (``benchmarks.roofline``: the same linear layers, int8 for w8a8, timed alone
+through the engine with fp32 + fp16 KV and with w8a8 or w8a16 + int8 KV, once per round
+in rotating order for ``--rounds`` rounds, each with the fraction of its linear-layer
+roofline (``benchmarks.roofline``: the same linear layers, as quantized, timed alone
 at the step sizes the run had), and HF ``generate`` once. Capacity: the
 KV blocks the engine allocates in ``--kv-bytes``, from its own pool sizing.
 
@@ -93,11 +93,12 @@ def decode_speeds(tokens: int, rounds: int) -> dict[str, list[float]]:
 ENGINE_RUNS = {   # Workload A's engine configurations: (label, engine.run settings)
     "engine fp32, fp16 KV": {"kv_cache_dtype": "float16"},
     "engine w8a8, int8 KV": {"kv_cache_dtype": "int8", "quantization": "w8a8"},
+    "engine w8a16, int8 KV": {"kv_cache_dtype": "int8", "quantization": "w8a16"},
 }
 
 
 def workload_a(requests: int, rounds: int) -> tuple[dict[str, list[PeerResult]], PeerResult]:
-    """Workload A through the engine with fp32 + fp16 KV and with w8a8 + int8 KV, once
+    """Workload A through the engine in each of ``ENGINE_RUNS``' settings, once
     per round in rotating order (each run with its linear-layer roofline, timed after
     it), then HF ``generate`` in static batches of 64 once: one process, the same
     prompts. Interleaved rounds keep the ratio honest on a machine whose load changes."""

@@ -182,7 +182,8 @@ def cpu_ops() -> CpuOps:
 def test_every_candidate_and_the_choice_match_the_oracle(quantization):
     """fp32: ``x @ W.T + b`` in float64; int8 and fp16: the same with the weight as
     stored (dequantized); w8a8 with per-token asymmetric int8 activations, and the w8a16
-    kernel with per-row int16 ones (``csrc/packed_linear_cpu.cpp``). The choice computes
+    kernels with per-row int16 ones (``csrc/packed_linear_cpu.cpp``,
+    ``csrc/w8a16_tiles_cpu.cpp``). The choice computes
     what one of them does (to fp32 GEMM rounding: MKL's order of sums may change with
     alignment), and w8a8's two candidates give the same output bit for bit (the same
     exact int32 sums)."""
@@ -202,7 +203,8 @@ def test_every_candidate_and_the_choice_match_the_oracle(quantization):
         runs = {c.name: c.run(x, c.pack(weight), b) for c in ops.linear_candidates(weight)}
         for name, got in runs.items():
             x_eff = (_asymmetric_rounded(x) if quantization == "w8a8" else
-                     _rounded(x, 32767) if name == "int8-kernel" else x.double())
+                     _rounded(x, 32767) if name in ("int8-kernel", "int16-tiles")
+                     else x.double())
             want = x_eff @ w_eff.T + b.double()
             assert got.dtype == torch.float32 and got.shape == (rows, 80), name
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4,

@@ -45,12 +45,15 @@ from workers.ops.packed_weights import (
     TiledInt8Weight,
     pack_half,
     pack_int8,
+    pack_lane_tiles,
     pack_tiles,
     packs_int8,
+    packs_lane_tiles,
     packs_tiles,
     run_blocked,
     run_half,
     run_int8,
+    run_lane_tiles,
 )
 from workers.ops.quant_linear import Int8Weight, w8a16_blocked
 from workers.ops.torch_ref import TorchOps
@@ -168,17 +171,25 @@ class CpuOps(TorchOps):
                            for name, amx, here in tile_kernels if here and packs_tiles(weight)]
             return candidates
         if isinstance(weight, Int8Weight):
-            if not packs_int8(weight):
-                return [LinearImpl("dequant", _as_is, w8a16_blocked)]
-            return [LinearImpl("int8-kernel", pack_int8, run_int8),
-                    LinearImpl("dequant", pack_int8, run_blocked)]
+            candidates = ([LinearImpl("int8-kernel", pack_int8, run_int8),
+                           LinearImpl("dequant", pack_int8, run_blocked)] if packs_int8(weight)
+                          else [LinearImpl("dequant", _as_is, w8a16_blocked)])
+            return candidates + self._lane_tiles("int16-tiles", weight)
         if weight.dtype == torch.float16:
             return [LinearImpl("fp16-kernel", pack_half, run_half),
-                    LinearImpl("dequant", pack_half, run_blocked)]
+                    LinearImpl("dequant", pack_half, run_blocked),
+                    *self._lane_tiles("fp16-tiles", weight)]
         candidates = [LinearImpl("mkl", torch.Tensor.contiguous, F.linear)]
         if onednn_linear_problem() is None:
             candidates.append(LinearImpl("onednn", _onednn_pack, _onednn_linear))
         return candidates
+
+    @staticmethod
+    def _lane_tiles(name: str, weight: torch.Tensor | Int8Weight) -> list[LinearImpl]:
+        """The batch kernel for a w8a16 weight (int8 layers, fp16 head), where it runs."""
+        if torch.ops.llm_cluster.w8a16_tiles_available() and packs_lane_tiles(weight):
+            return [LinearImpl(name, pack_lane_tiles, run_lane_tiles)]
+        return []
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | Int8Weight | ChosenLinear,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,9 +4,10 @@ A decode step's linear layers are bound by how fast their weights stream from me
 Packed, each block of ``BLOCK`` output channels is one sequential run, ``[ceil(out /
 BLOCK), ceil(in / cols), BLOCK, cols]`` zero-padded (``cols`` 32 for int8, 16 for fp16),
 which the prefetchers follow; row-major rows read a few at a time are as many streams.
-The kernels serve decode batches; larger batches dequantize blocks of the same packed
-weight into fp32 for the fp32 GEMM (``run_blocked``), so a layer keeps one copy whichever
-implementation its row counts choose. W8A8 weights are packed the same way for the
+The kernels serve decode batches. Larger w8a16 batches take a second copy laid out for
+register tiles, 16 channels to a register's lanes (``LaneTiledWeight``), where AVX-512
+runs, and otherwise dequantize blocks of the packed weight into the fp32 GEMM
+(``run_blocked``), which keeps one copy. W8A8 weights are packed the same way for the
 exact int32 product at decode batches (``int8_packed_mm``, equal to ``torch._int_mm``),
 and in 64-byte quads of inputs for the AMX and AVX-512 VNNI kernels (``TiledInt8Weight``).
 """
@@ -125,6 +126,53 @@ def pack_tiles(weight: Int8Weight, amx: bool) -> TiledInt8Weight:
                                                  TILE_CHANNELS * 4)
     return TiledInt8Weight((data if amx else data ^ -128).contiguous(), weight.scale,
                            weight.channel_sums, out, amx)
+
+
+@dataclass(frozen=True)
+class LaneTiledWeight:
+    """A w8a16 weight for the batch kernels (``csrc/w8a16_tiles_cpu.cpp``), 16 output
+    channels to a block so that a widened step of it is 16 channels' lanes: int8
+    [ceil(out / 16), in / 2, 16, 2] (each channel's inputs in pairs) with ``scale`` fp32
+    [ceil(out / 16), groups, 16], or fp16 [ceil(out / 16), in, 16, 1] (the head) with no
+    scale; zero-padded channels."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+    out_features: int
+
+
+def packs_lane_tiles(weight: Int8Weight | torch.Tensor) -> bool:
+    """Whether the batch kernels take this weight: int8 ones need whole input pairs in
+    every scale group."""
+    if not isinstance(weight, Int8Weight):
+        return True
+    groups = weight.scale.shape[1] if weight.scale.dim() == 2 else 1
+    return (weight.qweight.shape[1] // groups) % 2 == 0
+
+
+def pack_lane_tiles(weight: Int8Weight | torch.Tensor) -> LaneTiledWeight:
+    """An int8 weight (w8a16) or an fp16 one in the lane-tiled layout."""
+    q = weight.qweight if isinstance(weight, Int8Weight) else weight.half()
+    out, inp = q.shape
+    pad = -out % TILE_CHANNELS
+    if not isinstance(weight, Int8Weight):
+        data = F.pad(q, (0, 0, 0, pad)).view(-1, TILE_CHANNELS, inp).transpose(1, 2)
+        return LaneTiledWeight(data.unsqueeze(-1).contiguous(), None, out)
+    data = F.pad(q, (0, 0, 0, pad)).view(-1, TILE_CHANNELS, inp // 2, 2).permute(0, 2, 1, 3)
+    scale = F.pad(weight.scale.reshape(out, -1), (0, 0, 0, pad))
+    return LaneTiledWeight(data.contiguous(), scale.view(-1, TILE_CHANNELS, scale.shape[1])
+                           .transpose(1, 2).contiguous(), out)
+
+
+def run_lane_tiles(x: torch.Tensor, w: LaneTiledWeight,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """fp32 rows [..., in] times the lane-tiled weight: rounded to int16 per row (as
+    ``run_int8`` rounds them) for an int8 one, as they are for fp16."""
+    if w.scale is None:
+        return torch.ops.llm_cluster.half_tiles_linear(x.contiguous(), w.data, bias,
+                                                       w.out_features)
+    return torch.ops.llm_cluster.int16_tiles_linear(x.contiguous(), w.data, w.scale, bias,
+                                                    w.out_features)
 
 
 def run_int8(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
