@@ -51,10 +51,13 @@ CONFIGS: dict[str, dict[str, str]] = {
     "w8a8 + int8 KV": {"quantization": "w8a8", "kv_cache_dtype": "int8"},
     "w8a8 GPTQ": {},
     "w8a8 GPTQ down_proj fp": {},
+    "w8a8 GPTQ down_proj w8a16": {},
 }
-# label -> modules ``quantize`` leaves fp, for the configurations that load its checkpoint
-QUANTIZED_CHECKPOINTS: dict[str, list[str]] = {"w8a8 GPTQ": [],
-                                               "w8a8 GPTQ down_proj fp": ["re:.*down_proj"]}
+# label -> (modules ``quantize`` leaves fp, modules it makes weight-only), for the
+# configurations that load its checkpoint
+QUANTIZED_CHECKPOINTS: dict[str, tuple[list[str], list[str]]] = {
+    "w8a8 GPTQ": ([], []), "w8a8 GPTQ down_proj fp": (["re:.*down_proj"], []),
+    "w8a8 GPTQ down_proj w8a16": ([], ["re:.*down_proj"])}
 CHUNK = 128
 NOISE = 1e-6   # relative noise on the embeddings in draws after the first
 
@@ -172,7 +175,8 @@ def _model_for(label: str, path: str, scratch: str) -> str:
     from cluster.quantize import run
 
     out = Path(scratch) / label.replace(" ", "_")
-    return str(run(path, str(out), QUANTIZED_CHECKPOINTS[label]).output)
+    ignore, weight_only = QUANTIZED_CHECKPOINTS[label]
+    return str(run(path, str(out), ignore, weight_only=weight_only).output)
 
 
 def table(results: Sequence[Quality]) -> str:

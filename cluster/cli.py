@@ -165,9 +165,10 @@ BENCHMARKS = {
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from cluster.quantize import run
 
-    report = run(args.model, args.output, args.ignore, args.tokenizer)
+    report = run(args.model, args.output, args.ignore, args.tokenizer, args.weight_only)
     print(f"wrote {report.output}: {report.quantized} linear layers int8 (GPTQ over "
-          f"{report.calibration_tokens} calibration tokens), {report.kept} kept fp, in "
+          f"{report.calibration_tokens} calibration tokens; {report.weight_only} of them "
+          f"weight-only), {report.kept} kept fp, in "
           f"{report.seconds:.0f} s\nserve it with: python -m cluster serve {report.output}")
     return 0
 
@@ -254,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--ignore", action="append", metavar="MODULE",
                        help="a module to keep fp: its name or re:PATTERN, e.g. "
                        "'re:.*down_proj' (repeat for several; lm_head always is)")
+    quant.add_argument("--weight-only", action="append", metavar="MODULE",
+                       help="a module to quantize weight-only (int8 weights, activations "
+                       "unrounded; served as w8a16): its name or re:PATTERN (repeat for "
+                       "several)")
     quant.add_argument("--tokenizer", metavar="DIR",
                        help="an HF tokenizer directory, for a checkpoint without one")
     quant.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")

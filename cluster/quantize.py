@@ -7,7 +7,9 @@ The recipe is llm-compressor's W8A8 one: SmoothQuant (``models/smoothquant.py``,
 weight to nearest. That takes about a minute for the default model, which is why it is
 a step of its own rather than part of every load. Modules named in ``ignore`` (names or
 ``re:`` patterns, compressed-tensors' rule) keep fp weights and run unquantized; the
-LM head always does, as in ``w8a8`` at load.
+LM head always does, as in ``w8a8`` at load. Modules named in ``weight_only`` get int8
+weights but no activation quantization (a second, W8A16 config group, which the engine
+runs as ``w8a16``): GPTQ then takes their Hessians from the unrounded inputs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from safetensors.torch import save_file
 from kvcache.build_cache import cache_root
 from workers.loading import load_checkpoint
 from workers.loading.checkpoint import Checkpoint
-from workers.loading.compressed_tensors import is_ignored
+from workers.loading.compressed_tensors import matches, pack_int8
 from workers.loading.gguf_checkpoint import converted_dir
 from workers.models.calibration import KINDS
 from workers.models.gptq import gptq_calibration_ids, gptq_model
@@ -42,19 +44,28 @@ _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.in
                  "*.pt", "*.pth", "meta.json")
 
 
-def quantization_config(ignore: list[str]) -> dict:
+_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+            "dynamic": False, "group_size": None, "observer": "minmax"}
+
+
+def quantization_config(ignore: list[str], weight_only: list[str] = ()) -> dict:
     """config.json's ``quantization_config``: int8 weights per channel, int8 activations
-    per token, dynamic and asymmetric (what the engine runs, and what GPTQ saw)."""
+    per token, dynamic and asymmetric (what the engine runs, and what GPTQ saw); and for
+    the ``weight_only`` modules a W8A16 group (``pack-quantized``, no activations)."""
+    groups = {"group_0": {
+        "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
+        "weights": _WEIGHTS,
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": False,
+                              "strategy": "token", "dynamic": True, "observer": None}}}
+    if weight_only:
+        groups["group_1"] = {"targets": list(weight_only), "format": "pack-quantized",
+                             "output_activations": None, "weights": _WEIGHTS,
+                             "input_activations": None}
     return {
-        "quant_method": "compressed-tensors", "format": "int-quantized",
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision" if weight_only else "int-quantized",
         "quantization_status": "compressed", "ignore": ignore, "kv_cache_scheme": None,
-        "config_groups": {"group_0": {
-            "targets": ["Linear"], "output_activations": None,
-            "weights": {"num_bits": 8, "type": "int", "symmetric": True,
-                        "strategy": "channel", "dynamic": False, "group_size": None,
-                        "observer": "minmax"},
-            "input_activations": {"num_bits": 8, "type": "int", "symmetric": False,
-                                  "strategy": "token", "dynamic": True, "observer": None}}},
+        "config_groups": groups,
     }
 
 
@@ -63,30 +74,33 @@ class QuantizeReport:
     output: Path
     quantized: int      # fused linear layers in int8
     kept: int           # fused linear layers left fp by ``ignore``
+    weight_only: int    # of the int8 ones, those without activation quantization
     calibration_tokens: int
     seconds: float
 
 
-def left_fp(num_layers: int, ignore: list[str]) -> set[tuple[int, str]]:
-    """The (layer, kind) pairs that ``ignore`` leaves fp. A fused layer's modules share
-    their input and one int8 product, so ``ignore`` takes all of them or none."""
-    kept = set()
+def fused_sites(num_layers: int, patterns: list[str], option: str) -> set[tuple[int, str]]:
+    """The (layer, kind) pairs whose modules ``patterns`` name (``option``: the setting,
+    for errors). A fused layer's modules share their input and one product, so the
+    patterns take all of them or none."""
+    taken = set()
     for i in range(num_layers):
         for kind in KINDS:
             names = [f"model.layers.{i}.{m}.weight" for m in MODULES[kind]]
-            hits = [is_ignored(n, ignore) for n in names]
+            hits = [matches(n, patterns) for n in names]
             if any(hits) and not all(hits):
                 split = ", ".join(n.removesuffix(".weight") for n, h in zip(names, hits) if h)
-                raise ValueError(f"ignore: {split} without the rest of "
-                                 f"{', '.join(MODULES[kind])}, which share one int8 product; "
-                                 "ignore all of them or none")
+                raise ValueError(f"{option}: {split} without the rest of "
+                                 f"{', '.join(MODULES[kind])}, which share one product; "
+                                 "name all of them or none")
             if all(hits):
-                kept.add((i, kind))
-    return kept
+                taken.add((i, kind))
+    return taken
 
 
 def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] | None = None,
-                        tokenizer_dir: Path | None = None) -> QuantizeReport:
+                        tokenizer_dir: Path | None = None,
+                        weight_only: list[str] | None = None) -> QuantizeReport:
     """Write ``checkpoint`` (fp weights, with a tokenizer for the calibration text) to the
     new directory ``output`` as a W8A8 int8 checkpoint, computed on the CPU.
     ``tokenizer_dir``: where the checkpoint's tokenizer came from, when not from its own
@@ -102,21 +116,29 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
     if output.exists() and any(output.iterdir()):
         raise ValueError(f"--output {output}: not empty; give a new directory")
     ignore = ["lm_head", *(p for p in ignore or [] if p != "lm_head")]
-    kept = left_fp(cfg.num_layers, ignore)
+    weight_only = list(weight_only or [])
+    kept = fused_sites(cfg.num_layers, ignore, "ignore")
+    light = fused_sites(cfg.num_layers, weight_only, "weight_only") - kept
     weights = smooth_for_w8a8(cfg, checkpoint.weights, tokenizer, _CPU)
     sequences = gptq_calibration_ids(tokenizer)
-    int8 = gptq_model(cfg, weights, sequences, _CPU, kept)
+    int8 = gptq_model(cfg, weights, sequences, _CPU, kept, light)
     tensors = {name: t.contiguous().cpu() for name, t in weights.items()}
     for (i, kind), w in int8.items():
         row = 0
         for module in MODULES[kind]:
             name = f"model.layers.{i}.{module}"
-            rows = tensors[name + ".weight"].shape[0]
-            tensors[name + ".weight"] = w.qweight[row:row + rows].contiguous()
+            rows, cols = tensors.pop(name + ".weight").shape
+            q = w.qweight[row:row + rows].contiguous()
+            if (i, kind) in light:
+                tensors[name + ".weight_packed"] = pack_int8(q)
+                tensors[name + ".weight_shape"] = torch.tensor([rows, cols])
+            else:
+                tensors[name + ".weight"] = q
             tensors[name + ".weight_scale"] = w.scale[row:row + rows, None].contiguous()
             row += rows
-    _write(_source_dir(checkpoint), tokenizer_dir, output, tensors, ignore)
-    return QuantizeReport(output, len(int8), len(kept), sum(map(len, sequences)),
+    _write(_source_dir(checkpoint), tokenizer_dir, output, tensors,
+           quantization_config(ignore, weight_only))
+    return QuantizeReport(output, len(int8), len(kept), len(light), sum(map(len, sequences)),
                           time.perf_counter() - start)
 
 
@@ -130,7 +152,7 @@ def _source_dir(checkpoint: Checkpoint) -> Path:
 
 
 def _write(source: Path, tokenizer_dir: Path | None, output: Path,
-           tensors: dict[str, torch.Tensor], ignore: list[str]) -> None:
+           tensors: dict[str, torch.Tensor], quant_config: dict) -> None:
     """The source directory's files other than weights (then ``tokenizer_dir``'s), config.json
     with the quantization config added, and the tensors (fp ones in the dtype the source
     declares), written to a temporary directory that then takes ``output``'s name: a
@@ -143,10 +165,10 @@ def _write(source: Path, tokenizer_dir: Path | None, output: Path,
         shutil.copytree(tokenizer_dir, partial, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(*_WEIGHT_FILES, "config.json"))
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = quantization_config(ignore)
+    config["quantization_config"] = quant_config
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     dtype = _declared_dtype(config)
-    save_file({n: t if t.dtype == torch.int8 or n.endswith(".weight_scale") else t.to(dtype)
+    save_file({n: t if not t.is_floating_point() or n.endswith(".weight_scale") else t.to(dtype)
                for n, t in tensors.items()},
               str(partial / "model.safetensors"), metadata={"format": "pt"})
     if output.exists():
@@ -163,11 +185,13 @@ def _declared_dtype(config: dict) -> torch.dtype:
 
 
 def run(model: str | None, output: str, ignore: list[str] | None = None,
-        tokenizer: str | None = None) -> QuantizeReport:
+        tokenizer: str | None = None, weight_only: list[str] | None = None) -> QuantizeReport:
     """The command: load ``model`` in fp32, quantize it, write ``output``."""
     checkpoint = load_checkpoint(model, torch.float32, tokenizer)
     report = quantize_checkpoint(checkpoint, Path(output).expanduser().resolve(), ignore,
-                                 Path(tokenizer).expanduser() if tokenizer else None)
-    log.info("quantized %d linear layers (%d kept fp) over %d calibration tokens in %.0f s",
-             report.quantized, report.kept, report.calibration_tokens, report.seconds)
+                                 Path(tokenizer).expanduser() if tokenizer else None,
+                                 weight_only)
+    log.info("quantized %d linear layers (%d of them weight-only; %d kept fp) over %d "
+             "calibration tokens in %.0f s", report.quantized, report.weight_only,
+             report.kept, report.calibration_tokens, report.seconds)
     return report

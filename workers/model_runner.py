@@ -100,7 +100,7 @@ class ModelRunner:
         if quantization == "w8a8":
             weights = smooth_for_w8a8(cfg, weights, checkpoint.tokenizer, device)
         self.model = DecoderLM(cfg, weights, self.ops, max_model_len, device, dtype,
-                               quantization)
+                               quantization, checkpoint.int8_schemes)
         kv_dtype = dtype if cache.kv_dtype == "auto" else getattr(torch, cache.kv_dtype)
         if kv_dtype == torch.int8 and not self.ops.int8_kv:
             raise ValueError(f"cache.kv_dtype: got 'int8'; the {self.ops.name} ops have no int8 "

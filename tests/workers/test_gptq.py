@@ -68,13 +68,15 @@ def quantize(tiny_factory, tmp_path_factory):
     quantized (cached by architecture and ``ignore``)."""
     done = {}
 
-    def get(*ignore: str, arch: str = "llama"):
-        if (arch, ignore) not in done:
+    def get(*ignore: str, arch: str = "llama", weight_only: tuple[str, ...] = ()):
+        key = arch, ignore, weight_only
+        if key not in done:
             ck = dataclasses.replace(load_checkpoint(tiny_factory(arch).path),
                                      tokenizer=ByteTokenizer())
             out = tmp_path_factory.mktemp("gptq") / "int8"
-            done[arch, ignore] = ck, out, quantize_checkpoint(ck, out, ignore=list(ignore))
-        return done[arch, ignore]
+            done[key] = ck, out, quantize_checkpoint(ck, out, ignore=list(ignore),
+                                                     weight_only=list(weight_only))
+        return done[key]
     return get
 
 
@@ -109,6 +111,42 @@ def test_its_logits_are_closer_to_fp32_than_w8a8_at_load(quantize, arch):
     smoothed = smooth_for_w8a8(ck.config, ck.weights, ck.tokenizer, CPU)
     nearest = logits(ck.config, smoothed, ids, "w8a8")
     assert (gptq - fp).abs().mean() < 0.9 * (nearest - fp).abs().mean()   # 0.71-0.80 here
+
+
+def test_weight_only_modules_go_into_a_w8a16_group_and_run_as_w8a16(quantize):
+    """``--weight-only 're:.*down_proj'``: down_proj packed four weights to a word in a
+    pack-quantized W8A16 group, the rest W8A8. Loaded, down_proj runs as w8a16: the
+    logits are those of the same model with down_proj's stored weights dequantized to
+    fp32 (fp activations), and closer to fp32's than with every layer w8a8 (0.92 of its
+    error here)."""
+    ck, out, report = quantize(weight_only=("re:.*down_proj",))
+    n = ck.config.num_layers
+    assert (report.quantized, report.weight_only, report.kept) == (4 * n, n, 0)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "mixed-precision"
+    group = config["config_groups"]["group_1"]
+    assert (group["targets"], group["format"], group["input_activations"]) == (
+        ["re:.*down_proj"], "pack-quantized", None)
+    stored = load_file(str(out / "model.safetensors"))
+    packed = stored["model.layers.0.mlp.down_proj.weight_packed"]
+    assert packed.dtype == torch.int32 and packed.shape[1] == ck.config.intermediate_size // 4
+    loaded = load_checkpoint(str(out))
+    assert loaded.int8_schemes["model.layers.0.mlp.down_proj.weight"] == "w8a16"
+    assert loaded.int8_schemes["model.layers.0.mlp.up_proj.weight"] == "w8a8"
+    model = LLM(str(out), device="cpu", kv_cache_bytes=1 << 20).engine.runner.model
+    assert (model.layers[0].down_w.choice.kind, model.layers[0].gate_up_w.choice.kind) == (
+        "w8a16", "w8a8")
+    ids = ByteTokenizer().encode(pydoc_data.topics.topics["compound"])[:256]
+    fp = logits(ck.config, ck.weights, ids)
+    mixed = logits(loaded.config, loaded.weights, ids, int8_schemes=loaded.int8_schemes)
+    dequantized = dict(loaded.weights)
+    for i in range(n):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        dequantized[name] = dequantized[name].float() * dequantized.pop(name + "_scale")
+    assert torch.allclose(mixed, logits(ck.config, dequantized, ids), rtol=0, atol=1e-5)
+    _, all_int8, _ = quantize()
+    every = logits(ck.config, load_checkpoint(str(all_int8)).weights, ids)
+    assert (mixed - fp).abs().mean() < (every - fp).abs().mean()
 
 
 def test_the_engine_serves_it(quantize):

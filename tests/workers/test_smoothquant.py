@@ -8,6 +8,7 @@ here channel by channel from the HF parameters.
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ def token_ids(seed: int, n: int = 48) -> list[int]:
     return torch.randint(3, 256, (n,), generator=g).tolist()
 
 
-def logits(cfg, weights, ids: list[int], quantization: str = "none") -> torch.Tensor:
-    model = DecoderLM(cfg, weights, TorchOps(), len(ids), CPU, torch.float32, quantization)
+def logits(cfg, weights, ids: list[int], quantization: str = "none",
+           int8_schemes=MappingProxyType({})) -> torch.Tensor:
+    model = DecoderLM(cfg, weights, TorchOps(), len(ids), CPU, torch.float32, quantization,
+                      int8_schemes)
     return model.compute_logits(prefill(model, [ids], CPU))
 
 

@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 
 from kvcache.build_cache import cache_root
 from workers.chat_template import load_chat_template
-from workers.loading.compressed_tensors import int8_ignored
+from workers.loading.compressed_tensors import int8_layout
 from workers.loading.gguf_checkpoint import converted_dir
 from workers.loading.hf_checkpoint import load_weights, read_hf_config, weight_files
 from workers.loading.hub import is_hub_id, resolve_hub_model
@@ -46,6 +46,8 @@ class Checkpoint:
     tokenizer: Tokenizer | None  # None only when the checkpoint has no tokenizer files
     fingerprint: str  # same weights file(s) and config -> same id
     path: str  # the resolved model path
+    # int8 weights as stored -> how they run, w8a8 or w8a16 (``compressed_tensors``)
+    int8_schemes: dict[str, str] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -121,14 +123,15 @@ def _load_directory(directory: Path, dtype: torch.dtype, tokenizer: Tokenizer | 
     config_dict, generation = read_hf_config(directory)
     config = ModelArchConfig.from_hf_config(config_dict, generation)
     files = weight_files(directory)
-    weights = load_weights(files, config, dtype,
-                           int8_ignored(config_dict.get("quantization_config")))
+    int8 = int8_layout(config_dict.get("quantization_config"))
+    weights = load_weights(files, config, dtype, int8)
     tok = tokenizer or _own_tokenizer(directory)
     if tok is not None:
         tok.add_eos_token_ids(config.eos_token_ids)
+    schemes = {n: int8.group_of(n).scheme for n, w in weights.items() if w.dtype == torch.int8}
     return Checkpoint(config=config, weights=weights, tokenizer=tok,
                       fingerprint=fingerprint(config_dict, fingerprint_files or files),
-                      path=str(directory))
+                      path=str(directory), int8_schemes=schemes)
 
 
 def _own_tokenizer(directory: Path) -> Tokenizer | None:

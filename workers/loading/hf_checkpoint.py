@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from workers.loading.compressed_tensors import is_ignored
+from workers.loading.compressed_tensors import Int8Layout, unpack_int8
 from workers.model_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
@@ -94,24 +94,36 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
 
 
 def load_weights(files: list[Path], config: ModelArchConfig, dtype: torch.dtype,
-                 int8_ignored: list[str] | None = None) -> dict[str, torch.Tensor]:
+                 int8: Int8Layout | None = None) -> dict[str, torch.Tensor]:
     """The parameters the model needs, in ``dtype``; extra tensors (a tied ``lm_head``,
     rotary caches) are dropped, missing or misshapen ones are an error.
 
-    ``int8_ignored`` (a W8A8 int8 checkpoint, see ``compressed_tensors``): the decoder
-    layers' linear weights not ignored stay int8, with their ``weight_scale``."""
+    ``int8`` (an int8 checkpoint, see ``compressed_tensors``): the decoder layers' linear
+    weights in its groups stay int8, with their ``weight_scale`` (packed ones unpacked)."""
     expected = expected_weight_shapes(config)
-    int8 = set()
-    if int8_ignored is not None:
-        int8 = {n for n in expected if n.startswith("model.layers.") and n.endswith("_proj.weight")
-                and not is_ignored(n, int8_ignored)}
-        expected |= {n.removesuffix("weight") + "weight_scale": (expected[n][0], 1) for n in int8}
+    groups = {} if int8 is None else {
+        n: g for n in expected if n.startswith("model.layers.") and n.endswith("_proj.weight")
+        and (g := int8.group_of(n)) is not None}
+    packed = {}   # weight_packed name -> (weight name, input columns)
+    for n, g in groups.items():
+        out, inp = expected[n]
+        if g.group_size is not None and inp % g.group_size:
+            raise ValueError(f"{n}: {inp} input columns in groups of {g.group_size}; "
+                             "the group size must divide the width")
+        module = n.removesuffix("weight")
+        expected[module + "weight_scale"] = (out, 1 if g.group_size is None
+                                             else inp // g.group_size)
+        if g.packed:
+            packed[module + "weight_packed"] = (n, inp)
+            expected[module + "weight_packed"] = (out, -(-inp // 4))
+            del expected[n]
     weights: dict[str, torch.Tensor] = {}
     ignored: list[str] = []
     for file in files:
         for name, tensor in load_file(str(file)).items():
             if name not in expected:
-                ignored.append(name)
+                if not name.endswith(".weight_shape"):   # a packed weight's, implied here
+                    ignored.append(name)
                 continue
             if tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
@@ -126,11 +138,16 @@ def load_weights(files: list[Path], config: ModelArchConfig, dtype: torch.dtype,
                          f"missing, e.g. {', '.join(missing[:5])}")
     wrong = [f"{n} {tuple(t.shape)} (expected {expected[n]})" for n, t in weights.items()
              if tuple(t.shape) != expected[n] and not (n.endswith("weight_scale")
-                                                      and tuple(t.shape) == expected[n][:1])]
-    wrong += [f"{n} {t.dtype} (expected {'int8' if n in int8 else 'a float dtype'})"
-              for n, t in weights.items() if (n in int8) != (t.dtype == torch.int8)]
+                                                      and tuple(t.shape) == expected[n][:1]
+                                                      and expected[n][1] == 1)]
+    want = {n: torch.int32 for n in packed} | dict.fromkeys(groups, torch.int8)
+    wrong += [f"{n} {t.dtype} (expected {want.get(n, 'a float dtype')})"
+              for n, t in weights.items() if want.get(n, t.dtype if t.is_floating_point()
+                                                      else None) != t.dtype]
     if wrong:
         raise ValueError(f"{where}: weights do not match config.json: {'; '.join(wrong[:5])}")
+    for name, (weight, columns) in packed.items():
+        weights[weight] = unpack_int8(weights.pop(name), columns)
     return weights
 
 

@@ -10,6 +10,8 @@ Attention, KV writes, norms and rotary go through the ops seam.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -51,17 +53,24 @@ def _llama3_scaled(inv_freq: torch.Tensor, cfg: ModelArchConfig) -> torch.Tensor
     return torch.where(medium, blended, scaled)
 
 
-def _linear(ops: Ops, w: dict[str, torch.Tensor], names: list[str],
-            quantization: str) -> torch.Tensor | Int8Weight:
+def _linear(ops: Ops, w: dict[str, torch.Tensor], names: list[str], quantization: str,
+            int8_schemes: Mapping[str, str]) -> torch.Tensor | Int8Weight:
     """The named projections fused along their outputs, packed by the ops. Int8 weights
-    (a pre-quantized checkpoint, with ``<name>.weight_scale`` per output channel) stay
-    int8: they are used as stored, as ``w8a8`` unless ``w8a16`` is asked for."""
+    (a pre-quantized checkpoint, with ``<name>.weight_scale`` per output channel or group
+    of input columns) stay int8: they are used as stored, as the checkpoint says
+    (``int8_schemes``, ``w8a8`` where it does not), and as ``w8a16`` when that is asked
+    for."""
     weights = [w[n + ".weight"] for n in names]
-    if weights[0].dtype == torch.int8:
-        scheme = "w8a16" if quantization == "w8a16" else "w8a8"
-        scales = torch.cat([w[n + ".weight_scale"].reshape(-1) for n in names])
-        return ops.pack_linear(Int8Weight.from_int8(scheme, torch.cat(weights), scales))
-    return ops.pack_linear(torch.cat(weights), quantization)
+    if weights[0].dtype != torch.int8:
+        return ops.pack_linear(torch.cat(weights), quantization)
+    stored = {int8_schemes.get(n + ".weight", "w8a8") for n in names}
+    if len(stored) > 1:
+        raise ValueError(f"{', '.join(names)}: int8 weights of schemes {sorted(stored)}, which "
+                         "the engine computes as one product; quantize them alike")
+    scheme = "w8a16" if quantization == "w8a16" else stored.pop()
+    scales = torch.cat([w[n + ".weight_scale"].reshape(weights[i].shape[0], -1)
+                        for i, n in enumerate(names)])
+    return ops.pack_linear(Int8Weight.from_int8(scheme, torch.cat(weights), scales))
 
 
 class DecoderLayer:
@@ -69,29 +78,35 @@ class DecoderLayer:
     (int8 under ``quantization``; norms stay in the compute dtype)."""
 
     def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str,
-                 ops: Ops, quantization: str = "none") -> None:
+                 ops: Ops, quantization: str = "none",
+                 int8_schemes: Mapping[str, str] = MappingProxyType({})) -> None:
         a, m = prefix + "self_attn.", prefix + "mlp."
-        self.qkv_w = _linear(ops, w, [a + "q_proj", a + "k_proj", a + "v_proj"], quantization)
+
+        def linear(names: list[str]) -> torch.Tensor | Int8Weight:
+            return _linear(ops, w, names, quantization, int8_schemes)
+        self.qkv_w = linear([a + "q_proj", a + "k_proj", a + "v_proj"])
         self.qkv_b = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
                                  w[a + "v_proj.bias"]]) if cfg.qkv_bias else None)
-        self.o_w = _linear(ops, w, [a + "o_proj"], quantization)
+        self.o_w = linear([a + "o_proj"])
         self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         self.q_norm = w[a + "q_norm.weight"] if cfg.qk_norm else None
         self.k_norm = w[a + "k_norm.weight"] if cfg.qk_norm else None
         self.in_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
-        self.gate_up_w = _linear(ops, w, [m + "gate_proj", m + "up_proj"], quantization)
-        self.down_w = _linear(ops, w, [m + "down_proj"], quantization)
+        self.gate_up_w = linear([m + "gate_proj", m + "up_proj"])
+        self.down_w = linear([m + "down_proj"])
 
 
 class DecoderLM:
     """``quantization`` (``w8a8``, ``w8a16``) makes the decoder layers' linear layers
     int8; the embedding stays in the compute dtype, the LM head as
-    ``quant_linear.head_quantization`` says."""
+    ``quant_linear.head_quantization`` says. ``int8_schemes``: how the int8 weights of a
+    pre-quantized checkpoint run (``Checkpoint.int8_schemes``)."""
 
     def __init__(self, cfg: ModelArchConfig, weights: dict[str, torch.Tensor], ops: Ops,
                  max_positions: int, device: torch.device, dtype: torch.dtype,
-                 quantization: str = "none") -> None:
+                 quantization: str = "none",
+                 int8_schemes: Mapping[str, str] = MappingProxyType({})) -> None:
         _check_weights(cfg, weights)
         w = {k: v.to(device=device, dtype=torch.float32 if k.endswith(".weight_scale")
                       else v.dtype if v.dtype == torch.int8 else dtype)
@@ -102,8 +117,8 @@ class DecoderLM:
         self.lm_head = ops.pack_linear(self.embed if cfg.tie_word_embeddings
                                        else w["lm_head.weight"], head_quantization(quantization))
         self.norm = w["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops, quantization)
-                       for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.", ops, quantization,
+                                    int8_schemes) for i in range(cfg.num_layers)]
         self.fused_decode = ops.fuse_decode(self.layers, self.norm, cfg.num_heads,
                                             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         cos, sin = rope_tables(cfg, max_positions, device)

@@ -30,7 +30,12 @@ from workers.model_config import ModelArchConfig
 from workers.models.calibration import SiteOps, calibration_ops, prefill
 from workers.models.decoder import DecoderLM
 from workers.ops.base import Ops
-from workers.ops.quant_linear import Int8Weight, quantize_activations, w8a8_linear
+from workers.ops.quant_linear import (
+    Int8Weight,
+    quantize_activations,
+    w8a8_linear,
+    w8a16_blocked,
+)
 from workers.tokenizer import Tokenizer
 
 # Chapters of Python's language reference (in every CPython install): none is the
@@ -87,10 +92,12 @@ def gptq_int8(weight: torch.Tensor, hessian: torch.Tensor, damping: float = DAMP
 
 class _GptqOps(SiteOps):
     """Quantizes each registered site the first time it runs, and from then on computes
-    it as w8a8 (``quant_linear.w8a8_linear``, the engine's reference arithmetic)."""
+    it as the engine's reference arithmetic does: w8a8 (``quant_linear.w8a8_linear``),
+    or for the ``weight_only`` sites w8a16 (fp activations, ``H = X^T X``)."""
 
-    def __init__(self, inner: Ops) -> None:
+    def __init__(self, inner: Ops, weight_only: Collection[tuple[int, str]]) -> None:
         super().__init__(inner)
+        self.weight_only = weight_only
         self.done: dict[tuple[int, str], Int8Weight] = {}
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
@@ -98,21 +105,29 @@ class _GptqOps(SiteOps):
         site = self.sites.get(id(weight))
         if site is None:
             return self.inner.linear(x, weight, bias)
+        scheme = "w8a16" if site in self.weight_only else "w8a8"
         if site not in self.done:
-            q, s, z = quantize_activations(x.reshape(-1, x.shape[-1]))
-            xq = (q.double() - z[:, None]) * s[:, None].double()
-            self.done[site] = Int8Weight.from_int8("w8a8", *gptq_int8(weight, xq.T @ xq))
+            x2 = x.reshape(-1, x.shape[-1])
+            if scheme == "w8a8":
+                q, s, z = quantize_activations(x2)
+                x2 = (q.double() - z[:, None]) * s[:, None].double()
+            x2 = x2.double()
+            self.done[site] = Int8Weight.from_int8(scheme, *gptq_int8(weight, x2.T @ x2))
+        if scheme == "w8a16":
+            return w8a16_blocked(x, self.done[site], bias)
         return w8a8_linear(x, self.done[site], bias)
 
 
 def gptq_model(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
                sequences: Sequence[list[int]], device: torch.device,
-               keep_fp: Collection[tuple[int, str]] = ()
+               keep_fp: Collection[tuple[int, str]] = (),
+               weight_only: Collection[tuple[int, str]] = ()
                ) -> dict[tuple[int, str], Int8Weight]:
     """Each decoder layer's fused linear layers (``calibration.KINDS``) quantized by GPTQ
-    over one prefill of ``sequences``, keyed (layer, kind); those in ``keep_fp`` stay
-    fp (and run fp in the pass too). ``weights``: fp, HF names, not changed."""
-    ops = _GptqOps(calibration_ops(device))
+    over one prefill of ``sequences``, keyed (layer, kind), as ``w8a8`` or for those in
+    ``weight_only`` ``w8a16`` (per channel); those in ``keep_fp`` stay fp (and run fp in
+    the pass too). ``weights``: fp, HF names, not changed."""
+    ops = _GptqOps(calibration_ops(device), weight_only)
     longest = max(len(s) for s in sequences)
     model = DecoderLM(cfg, weights, ops, longest, device, torch.float32)
     ops.register(model, skip=keep_fp)
