@@ -29,9 +29,11 @@ from workers.loading import load_checkpoint
 from workers.loading.checkpoint import Checkpoint
 from workers.loading.compressed_tensors import matches, pack_int8
 from workers.loading.gguf_checkpoint import converted_dir
+from workers.model_config import ModelArchConfig
 from workers.models.calibration import KINDS
 from workers.models.gptq import gptq_calibration_ids, gptq_model
 from workers.models.smoothquant import smooth_for_w8a8
+from workers.ops.quant_linear import w8a16_group_size
 
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
@@ -48,18 +50,22 @@ _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channe
             "dynamic": False, "group_size": None, "observer": "minmax"}
 
 
-def quantization_config(ignore: list[str], weight_only: list[str] = ()) -> dict:
+def quantization_config(ignore: list[str], weight_only: list[str] = (),
+                        group_size: int | None = None) -> dict:
     """config.json's ``quantization_config``: int8 weights per channel, int8 activations
     per token, dynamic and asymmetric (what the engine runs, and what GPTQ saw); and for
-    the ``weight_only`` modules a W8A16 group (``pack-quantized``, no activations)."""
+    the ``weight_only`` modules a W8A16 group (``pack-quantized``, no activations, a
+    weight scale per ``group_size`` input columns or per channel)."""
     groups = {"group_0": {
         "targets": ["Linear"], "format": "int-quantized", "output_activations": None,
         "weights": _WEIGHTS,
         "input_activations": {"num_bits": 8, "type": "int", "symmetric": False,
                               "strategy": "token", "dynamic": True, "observer": None}}}
     if weight_only:
+        weights = _WEIGHTS | ({"strategy": "group", "group_size": group_size}
+                              if group_size else {})
         groups["group_1"] = {"targets": list(weight_only), "format": "pack-quantized",
-                             "output_activations": None, "weights": _WEIGHTS,
+                             "output_activations": None, "weights": weights,
                              "input_activations": None}
     return {
         "quant_method": "compressed-tensors",
@@ -119,9 +125,10 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
     weight_only = list(weight_only or [])
     kept = fused_sites(cfg.num_layers, ignore, "ignore")
     light = fused_sites(cfg.num_layers, weight_only, "weight_only") - kept
+    group = _weight_only_group(cfg, light)
     weights = smooth_for_w8a8(cfg, checkpoint.weights, tokenizer, _CPU)
     sequences = gptq_calibration_ids(tokenizer)
-    int8 = gptq_model(cfg, weights, sequences, _CPU, kept, light)
+    int8 = gptq_model(cfg, weights, sequences, _CPU, kept, light, group)
     tensors = {name: t.contiguous().cpu() for name, t in weights.items()}
     for (i, kind), w in int8.items():
         row = 0
@@ -134,12 +141,23 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
                 tensors[name + ".weight_shape"] = torch.tensor([rows, cols])
             else:
                 tensors[name + ".weight"] = q
-            tensors[name + ".weight_scale"] = w.scale[row:row + rows, None].contiguous()
+            tensors[name + ".weight_scale"] = w.scale[row:row + rows].reshape(rows, -1)
             row += rows
     _write(_source_dir(checkpoint), tokenizer_dir, output, tensors,
-           quantization_config(ignore, weight_only))
+           quantization_config(ignore, weight_only, group))
     return QuantizeReport(output, len(int8), len(kept), len(light), sum(map(len, sequences)),
                           time.perf_counter() - start)
+
+
+def _weight_only_group(cfg: ModelArchConfig, sites: set[tuple[int, str]]) -> int | None:
+    """The weight-only group's input columns per scale: ``w8a16``'s groups where they
+    divide every one of its layers' widths (the config has one group size), else None
+    (per channel)."""
+    widths = {cfg.intermediate_size if kind == "down" else
+              cfg.num_heads * cfg.head_dim if kind == "o" else cfg.hidden_size
+              for _, kind in sites}
+    sizes = {w8a16_group_size(w) for w in widths}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _source_dir(checkpoint: Checkpoint) -> Path:

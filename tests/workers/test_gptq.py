@@ -32,6 +32,11 @@ def test_with_uncorrelated_inputs_it_rounds_to_nearest():
     want_q, want_scale = quantize_rows(w)
     assert torch.equal(q, want_q)
     torch.testing.assert_close(scale, want_scale)
+    # Static groups of 8 columns: each on its own grid, the groups' maxima / 127.
+    q, scale = gptq_int8(w, h, group_size=8)
+    want_q, want_scale = quantize_rows(w.reshape(-1, 8))
+    assert torch.equal(q, want_q.view(24, 40)) and scale.shape == (24, 5)
+    torch.testing.assert_close(scale, want_scale.view(24, 5))
 
 
 def test_the_second_column_takes_up_the_first_ones_error():
@@ -115,10 +120,10 @@ def test_its_logits_are_closer_to_fp32_than_w8a8_at_load(quantize, arch):
 
 def test_weight_only_modules_go_into_a_w8a16_group_and_run_as_w8a16(quantize):
     """``--weight-only 're:.*down_proj'``: down_proj packed four weights to a word in a
-    pack-quantized W8A16 group, the rest W8A8. Loaded, down_proj runs as w8a16: the
-    logits are those of the same model with down_proj's stored weights dequantized to
-    fp32 (fp activations), and closer to fp32's than with every layer w8a8 (0.92 of its
-    error here)."""
+    pack-quantized W8A16 group, a scale per 64 inputs; the rest W8A8. Loaded, down_proj
+    runs as w8a16: the logits are those of the same model with down_proj's stored
+    weights dequantized to fp32 (fp activations), and closer to fp32's than with every
+    layer w8a8."""
     ck, out, report = quantize(weight_only=("re:.*down_proj",))
     n = ck.config.num_layers
     assert (report.quantized, report.weight_only, report.kept) == (4 * n, n, 0)
@@ -127,6 +132,7 @@ def test_weight_only_modules_go_into_a_w8a16_group_and_run_as_w8a16(quantize):
     group = config["config_groups"]["group_1"]
     assert (group["targets"], group["format"], group["input_activations"]) == (
         ["re:.*down_proj"], "pack-quantized", None)
+    assert (group["weights"]["strategy"], group["weights"]["group_size"]) == ("group", 64)
     stored = load_file(str(out / "model.safetensors"))
     packed = stored["model.layers.0.mlp.down_proj.weight_packed"]
     assert packed.dtype == torch.int32 and packed.shape[1] == ck.config.intermediate_size // 4
@@ -142,7 +148,9 @@ def test_weight_only_modules_go_into_a_w8a16_group_and_run_as_w8a16(quantize):
     dequantized = dict(loaded.weights)
     for i in range(n):
         name = f"model.layers.{i}.mlp.down_proj.weight"
-        dequantized[name] = dequantized[name].float() * dequantized.pop(name + "_scale")
+        q, scale = dequantized[name].float(), dequantized.pop(name + "_scale")
+        assert scale.shape == (q.shape[0], 2)   # w8a16's groups of 64 inputs
+        dequantized[name] = (q.view(q.shape[0], 2, -1) * scale[:, :, None]).view(q.shape)
     assert torch.allclose(mixed, logits(ck.config, dequantized, ids), rtol=0, atol=1e-5)
     _, all_int8, _ = quantize()
     every = logits(ck.config, load_checkpoint(str(all_int8)).weights, ids)

@@ -56,21 +56,25 @@ def gptq_calibration_ids(tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def gptq_int8(weight: torch.Tensor, hessian: torch.Tensor, damping: float = DAMPING,
-              block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` [out, in] as (int8 [out, in], fp32 scale [out]) minimizing
-    ``|(W - Q) X|`` for inputs with ``hessian = X^T X`` [in, in]: columns in order of
-    decreasing ``H_jj`` (act-order), in float64. With ``H`` diagonal nothing is carried
-    between columns, and the result is round-to-nearest."""
+              block: int = BLOCK, group_size: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as (int8 [out, in], fp32 scale [out], or [out, in /
+    group_size] with ``group_size``) minimizing ``|(W - Q) X|`` for inputs with
+    ``hessian = X^T X`` [in, in]: columns in order of decreasing ``H_jj`` (act-order), in
+    float64, each on its group's grid, fixed from ``weight`` beforehand (static groups, so
+    act-order keeps contiguous groups). With ``H`` diagonal nothing is carried between
+    columns, and the result is round-to-nearest."""
     w = weight.double().clone()
     h = hessian.double().clone()
-    n = w.shape[1]
-    amax = w.abs().amax(1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    out, n = w.shape
+    amax = w.view(out, -1, group_size or n).abs().amax(2)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))     # [out, groups]
     dead = torch.diagonal(h) == 0          # a column no input reaches
     h[dead, dead] = 1
     w[:, dead] = 0
     order = torch.argsort(torch.diagonal(h), descending=True, stable=True)
     w, h = w[:, order], h[order][:, order]
+    col_scale = scale[:, order // (group_size or n)]                      # [out, n]
     h.diagonal().add_(damping * torch.diagonal(h).mean())
     # Upper Cholesky factor of H^-1: row i holds how column i's error spreads to later ones.
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
@@ -80,24 +84,27 @@ def gptq_int8(weight: torch.Tensor, hessian: torch.Tensor, damping: float = DAMP
         cols, errs = w[:, start:end].clone(), torch.empty(w.shape[0], end - start,
                                                           dtype=w.dtype)
         for j in range(end - start):
-            col = cols[:, j]
-            qj = torch.round(col / scale).clamp_(-127, 127)
+            col, step = cols[:, j], col_scale[:, start + j]
+            qj = torch.round(col / step).clamp_(-127, 127)
             q[:, start + j] = qj
-            err = (col - qj * scale) / u[start + j, start + j]
+            err = (col - qj * step) / u[start + j, start + j]
             cols[:, j:] -= err[:, None] * u[start + j, start + j:end][None, :]
             errs[:, j] = err
         w[:, end:] -= errs @ u[start:end, end:]
-    return q[:, torch.argsort(order)].to(torch.int8), scale.float()
+    return (q[:, torch.argsort(order)].to(torch.int8),
+            (scale if group_size else scale[:, 0]).float())
 
 
 class _GptqOps(SiteOps):
     """Quantizes each registered site the first time it runs, and from then on computes
     it as the engine's reference arithmetic does: w8a8 (``quant_linear.w8a8_linear``),
-    or for the ``weight_only`` sites w8a16 (fp activations, ``H = X^T X``)."""
+    or for the ``weight_only`` sites w8a16 (fp activations, ``H = X^T X``, a scale per
+    ``group_size`` input columns or per channel)."""
 
-    def __init__(self, inner: Ops, weight_only: Collection[tuple[int, str]]) -> None:
+    def __init__(self, inner: Ops, weight_only: Collection[tuple[int, str]],
+                 group_size: int | None) -> None:
         super().__init__(inner)
-        self.weight_only = weight_only
+        self.weight_only, self.group_size = weight_only, group_size
         self.done: dict[tuple[int, str], Int8Weight] = {}
 
     def linear(self, x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None
@@ -112,7 +119,9 @@ class _GptqOps(SiteOps):
                 q, s, z = quantize_activations(x2)
                 x2 = (q.double() - z[:, None]) * s[:, None].double()
             x2 = x2.double()
-            self.done[site] = Int8Weight.from_int8(scheme, *gptq_int8(weight, x2.T @ x2))
+            group = self.group_size if scheme == "w8a16" else None
+            self.done[site] = Int8Weight.from_int8(
+                scheme, *gptq_int8(weight, x2.T @ x2, group_size=group))
         if scheme == "w8a16":
             return w8a16_blocked(x, self.done[site], bias)
         return w8a8_linear(x, self.done[site], bias)
@@ -121,13 +130,14 @@ class _GptqOps(SiteOps):
 def gptq_model(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
                sequences: Sequence[list[int]], device: torch.device,
                keep_fp: Collection[tuple[int, str]] = (),
-               weight_only: Collection[tuple[int, str]] = ()
+               weight_only: Collection[tuple[int, str]] = (), group_size: int | None = None
                ) -> dict[tuple[int, str], Int8Weight]:
     """Each decoder layer's fused linear layers (``calibration.KINDS``) quantized by GPTQ
     over one prefill of ``sequences``, keyed (layer, kind), as ``w8a8`` or for those in
-    ``weight_only`` ``w8a16`` (per channel); those in ``keep_fp`` stay fp (and run fp in
-    the pass too). ``weights``: fp, HF names, not changed."""
-    ops = _GptqOps(calibration_ops(device), weight_only)
+    ``weight_only`` ``w8a16`` (a scale per ``group_size`` input columns, or per channel);
+    those in ``keep_fp`` stay fp (and run fp in the pass too). ``weights``: fp, HF
+    names, not changed."""
+    ops = _GptqOps(calibration_ops(device), weight_only, group_size)
     longest = max(len(s) for s in sequences)
     model = DecoderLM(cfg, weights, ops, longest, device, torch.float32)
     ops.register(model, skip=keep_fp)

@@ -92,11 +92,17 @@ class Int8Weight:
         return self.qweight.shape[0]
 
 
+def w8a16_group_size(in_features: int) -> int | None:
+    """Input columns per scale of a w8a16 weight this wide: ``W8A16_GROUP`` where that
+    divides the width into several groups, else None (one scale per output channel)."""
+    return None if in_features % W8A16_GROUP or in_features == W8A16_GROUP else W8A16_GROUP
+
+
 def quantize_weight(weight: torch.Tensor, scheme: str) -> Int8Weight:
     """Symmetric int8 of an fp weight [out, in]: per output channel, and for w8a16 per
-    ``W8A16_GROUP`` input columns where that divides the width."""
+    ``w8a16_group_size`` input columns."""
     out, inp = weight.shape
-    if scheme != "w8a16" or inp % W8A16_GROUP or inp == W8A16_GROUP:
+    if scheme != "w8a16" or w8a16_group_size(inp) is None:
         q, scale = quantize_rows(weight)
         return Int8Weight.from_int8(scheme, q, scale)
     q, scale = quantize_rows(weight.reshape(-1, W8A16_GROUP))
