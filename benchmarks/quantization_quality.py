@@ -18,7 +18,8 @@ compared by more than one draw each.
 
 The ``w8a8 GPTQ`` configurations run the default model as ``python -m cluster quantize``
 writes it (SmoothQuant + GPTQ, into a temporary directory; about a minute each), the
-second with down_proj kept fp (``--ignore 're:.*down_proj'``).
+others with down_proj weight-only (``--weight-only 're:.*down_proj'``) or kept fp
+(``--ignore 're:.*down_proj'``).
 
     python -m cluster bench quantization-quality [--tokens N] [--draws N] [--decode]
                                                  [--configs LABEL ...] [--text FILE|TOPIC]
