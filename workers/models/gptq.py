@@ -14,7 +14,8 @@ fp32 by +0.3 and +1.2 points on two technical texts and by -0.7 on plain English
 halved the perplexity increase on the first two (benchmarks/RESULTS.md).
 
 The grid is the engine's: symmetric int8, one scale per output channel, ``max|W| / 127``
-of the row before GPTQ. This is an offline step (``python -m cluster quantize``): about a
+of the row before GPTQ (weight-only layers: per group of input columns, as ``w8a16``
+has, their Hessians from the unrounded inputs). This is an offline step (``python -m cluster quantize``): about a
 minute for the default model on two cores, too slow for every load.
 """
 
