@@ -15,8 +15,9 @@ halved the perplexity increase on the first two (benchmarks/RESULTS.md).
 
 The grid is the engine's: symmetric int8, one scale per output channel, ``max|W| / 127``
 of the row before GPTQ (weight-only layers: per group of input columns, as ``w8a16``
-has, their Hessians from the unrounded inputs). This is an offline step (``python -m cluster quantize``): about a
-minute for the default model on two cores, too slow for every load.
+has, their Hessians from the unrounded inputs). This is an offline step (``python -m
+cluster quantize``): about a minute for the default model on two cores, too slow for
+every load.
 """
 
 from __future__ import annotations
