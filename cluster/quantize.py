@@ -29,7 +29,6 @@ from workers.loading import load_checkpoint
 from workers.loading.checkpoint import Checkpoint
 from workers.loading.compressed_tensors import matches, pack_int8
 from workers.loading.gguf_checkpoint import converted_dir
-from workers.model_config import ModelArchConfig
 from workers.models.calibration import KINDS
 from workers.models.gptq import gptq_calibration_ids, gptq_model
 from workers.models.smoothquant import smooth_for_w8a8
@@ -125,7 +124,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
     weight_only = list(weight_only or [])
     kept = fused_sites(cfg.num_layers, ignore, "ignore")
     light = fused_sites(cfg.num_layers, weight_only, "weight_only") - kept
-    group = _weight_only_group(cfg, light)
+    group = _weight_only_group(checkpoint.weights, light)
     weights = smooth_for_w8a8(cfg, checkpoint.weights, tokenizer, _CPU)
     sequences = gptq_calibration_ids(tokenizer)
     int8 = gptq_model(cfg, weights, sequences, _CPU, kept, light, group)
@@ -149,14 +148,13 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
                           time.perf_counter() - start)
 
 
-def _weight_only_group(cfg: ModelArchConfig, sites: set[tuple[int, str]]) -> int | None:
+def _weight_only_group(weights: dict[str, torch.Tensor],
+                       sites: set[tuple[int, str]]) -> int | None:
     """The weight-only group's input columns per scale: ``w8a16``'s groups where they
     divide every one of its layers' widths (the config has one group size), else None
     (per channel)."""
-    widths = {cfg.intermediate_size if kind == "down" else
-              cfg.num_heads * cfg.head_dim if kind == "o" else cfg.hidden_size
-              for _, kind in sites}
-    sizes = {w8a16_group_size(w) for w in widths}
+    sizes = {w8a16_group_size(weights[f"model.layers.{i}.{MODULES[kind][0]}.weight"].shape[1])
+             for i, kind in sites}
     return sizes.pop() if len(sizes) == 1 else None
 
 

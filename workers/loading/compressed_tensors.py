@@ -36,21 +36,24 @@ _SUPPORTED = ("compressed-tensors int8: W8A8 (format int-quantized, symmetric we
               "symmetric weights per channel or group, no activation quantization)")
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True}
 _ACTIVATIONS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
-# format -> the weight strategies it may have and whether it quantizes input activations
+# format -> how its layers run, and the weight strategies it may have
 _SCHEMES = {"int-quantized": ("w8a8", ("channel",)),
             "pack-quantized": ("w8a16", ("channel", "group"))}
 
 
 @dataclass(frozen=True)
 class Int8Group:
-    """One config group: ``scheme`` ``w8a8`` or ``w8a16``; ``packed``: weights in
-    ``weight_packed`` words; ``group_size``: input columns per weight scale (None: one
-    per output channel)."""
+    """One config group: ``scheme`` ``w8a8`` or ``w8a16``; ``group_size``: input columns
+    per weight scale (None: one per output channel)."""
 
     scheme: str
     targets: tuple[str, ...]
-    packed: bool
     group_size: int | None
+
+    @property
+    def packed(self) -> bool:
+        """Weights in ``weight_packed`` words: the one weight-only format (``_SCHEMES``)."""
+        return self.scheme == "w8a16"
 
 
 @dataclass(frozen=True)
@@ -112,8 +115,7 @@ def _group(name: str, group: dict[str, Any], default_format: str | None) -> Int8
     if group_size is not None and (not isinstance(group_size, int) or group_size < 2):
         raise ValueError(f"{where}.weights.group_size: got {group_size!r}; expected an "
                          "integer of at least 2")
-    return Int8Group(scheme, tuple(group.get("targets") or ()), fmt == "pack-quantized",
-                     group_size)
+    return Int8Group(scheme, tuple(group.get("targets") or ()), group_size)
 
 
 def matches(weight_name: str, patterns: tuple[str, ...] | list[str]) -> bool:
