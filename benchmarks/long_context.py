@@ -99,7 +99,7 @@ def attention_speed(context: int, batch: int, config: LongContextConfig, layers:
     lc = LongContextAttention(config, shape, batch * blocks, torch.device("cpu"),
                               ops.block_selector(config.summary))
     lc.summarize_blocks([kv], list(range(batch * blocks)), [BLOCK] * (batch * blocks))
-    decodes = [(SeqTierState(KVMode.SPARSE), context) for _ in range(batch)]
+    decodes = [(SeqTierState(KVMode.SPARSE, context), context) for _ in range(batch)]
     step = lc.step([], decodes, meta)
     dense_ms, layout_ms, layer_ms = median_ms(
         [lambda: ops.attention(q, q, q, kv, meta, scale), lambda: lc.step([], decodes, meta),

@@ -74,9 +74,9 @@ class LongContextConfig:
     blocks are recalled per step, or ``top_k_tokens`` worth of them when that is set.
     ``host_kv_bytes``: the host tier's budget per worker (None: 4 GiB).
     ``retrieval_block_size``: tokens per selectable block, a multiple of the pool's block
-    size. ``reselect_every``: decode steps between re-selections. ``summary``: how a
-    block is summarised for scoring (``mean`` key, per-channel ``minmax`` bounds, or
-    ``hybrid``, both; see kvcache/block_summary.py).
+    size. ``reselect_every``: decode steps between re-selections (``selects_at``).
+    ``summary``: how a block is summarised for scoring (``mean`` key, per-channel
+    ``minmax`` bounds, or ``hybrid``, both; see kvcache/block_summary.py).
     """
 
     enabled: bool = False
@@ -135,6 +135,22 @@ class LongContextConfig:
         if not self.enabled or num_tokens < self.dense_boundary:
             return KVMode.DENSE
         return KVMode.SPARSE if num_tokens < self.offload_boundary else KVMode.OFFLOAD
+
+    def first_sparse_step(self, num_prompt_tokens: int) -> int:
+        """The position of a sequence's first sparse decode step: its prompt's end, or
+        where it crosses the dense boundary while decoding."""
+        return max(num_prompt_tokens, self.dense_boundary - 1)
+
+    def selects_at(self, position: int, num_prompt_tokens: int) -> bool:
+        """Whether the sparse decode step at ``position`` scores the middle afresh rather
+        than reusing its last selection: the first sparse step and every position that
+        ``reselect_every`` divides (a step whose middle changed its size or k selects
+        too). A rule of the position alone, so a sequence that moves to another worker,
+        or is recomputed from cached blocks, starts there only at such a step
+        (``TierPlanner.may_move``, ``TierPlanner.replay_start``) and selects exactly
+        where it would have."""
+        return (position % self.reselect_every == 0
+                or position == self.first_sparse_step(num_prompt_tokens))
 
     def longest_context(self, host_blocks: int, block_size: int) -> int | None:
         """The longest context whose middle fits ``host_blocks`` host blocks of

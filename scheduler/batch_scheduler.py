@@ -213,6 +213,10 @@ class BatchScheduler:
                 break
             hit = (PrefixHit([], 0) if seq.needs_prompt_logprobs
                    else self.kv.find_cached_prefix(seq.seq_id, seq.token_ids))
+            if self.tiers is not None:
+                n = self.tiers.replay_start(hit.num_tokens, seq.num_tokens,
+                                            seq.num_prompt_tokens)
+                hit = PrefixHit(hit.block_ids[:n // self.kv.block_size], n)
             num_new = self._stop(seq, hit.num_tokens) - hit.num_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break

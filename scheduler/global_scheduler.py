@@ -342,10 +342,14 @@ class GlobalScheduler:
         one, or (``migration``) one running on a draining worker.
 
         The worker holding its pushed blocks comes first (``prefix_push``). Without a
-        serving decode worker with room, the sequence decodes where it is. The export is
+        serving decode worker with room, or while its next step must run where it is
+        (``TierPlanner.may_move``), the sequence decodes where it is. The export is
         submitted here, before the source's next step, so it never waits behind another
         prefill.
         """
+        tiers = src.batch.tiers
+        if tiers is not None and not tiers.may_move(seq.num_tokens, seq.num_prompt_tokens):
+            return
         pushed = self.pushes.holder(seq) if self.pushes is not None else None
         holder = pushed.dst if pushed else None
         handoff = None

@@ -85,8 +85,30 @@ class TierPlanner:
         written as before and it goes on exactly as an uninterrupted run."""
         if num_tokens == num_prompt_tokens or self.config.mode(num_tokens) is KVMode.DENSE:
             return num_tokens
-        first_sparse_step = max(num_prompt_tokens, self.config.dense_boundary - 1)
-        return max(first_sparse_step, num_computed + 1)
+        return max(self.config.first_sparse_step(num_prompt_tokens), num_computed + 1)
+
+    def replay_start(self, num_cached: int, num_tokens: int, num_prompt_tokens: int) -> int:
+        """How many of the ``num_cached`` leading tokens whose KV a recompute of a sequence
+        of ``num_tokens`` tokens finds cached it may take: all, unless its replay would
+        begin at a sparse step that reused an earlier selection, which the recompute no
+        longer has (``LongContextConfig.selects_at``). Then it takes whole blocks up to
+        the last one that ends at a selecting step, or at most up to its first sparse
+        step."""
+        if num_tokens == num_prompt_tokens or self.config.mode(num_tokens) is KVMode.DENSE:
+            return num_cached
+        first = self.config.first_sparse_step(num_prompt_tokens)
+        bs = self.kv.block_size
+        while num_cached > first and not self.config.selects_at(num_cached, num_prompt_tokens):
+            num_cached = (num_cached - 1) // bs * bs
+        return num_cached
+
+    def may_move(self, num_tokens: int, num_prompt_tokens: int) -> bool:
+        """Whether a running sequence of ``num_tokens`` tokens may move to another worker
+        before its next step: unless that step is a sparse one that reuses the last
+        selection, which stays with this worker (it moves a step or a few later)."""
+        position = num_tokens - 1
+        return (self.config.mode(num_tokens) is KVMode.DENSE
+                or self.config.selects_at(position, num_prompt_tokens))
 
     # ---- a handoff -----------------------------------------------------------------
     def middle_to_receive(self, context_len: int) -> tuple[int, int] | None:

@@ -184,7 +184,7 @@ class ModelRunner:
                 raise PlanError(f"tier change for sequence {c.seq_id!r} the worker does not "
                                 "hold")
             state.tier = self._long_context().apply(state.tier, c, self.kv_caches,
-                                                    state.block_ids)
+                                                    state.block_ids, state.num_prompt_tokens)
             if self.kv_checksums is not None:   # each step recalls host slices into them
                 self.kv_checksums.written(c.recall_block_ids)
 

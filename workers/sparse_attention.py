@@ -47,10 +47,12 @@ class LongContextAttention:
 
     # ---- plan application ----------------------------------------------------------
     def apply(self, state: SeqTierState | None, change: TierChange,
-              kv_caches: list[torch.Tensor], block_ids: list[int]) -> SeqTierState:
+              kv_caches: list[torch.Tensor], block_ids: list[int],
+              num_prompt_tokens: int) -> SeqTierState:
         """Apply a tier change to a held sequence whose device table is ``block_ids``."""
         if state is None:
-            state = SeqTierState(KVMode(change.mode), change.first_offloaded)
+            state = SeqTierState(KVMode(change.mode), num_prompt_tokens,
+                                 change.first_offloaded)
         state.mode = KVMode(change.mode)
         if change.host_block_ids:
             first, n = change.first_offloaded, len(change.host_block_ids)

@@ -50,13 +50,13 @@ class SeqTierState:
     """
 
     mode: KVMode
+    num_prompt_tokens: int
     host_first: int = 0
     host_ids: list[int] = field(default_factory=list)
     recall: RecallCache | None = None
     summaries: torch.Tensor | None = None
     num_summarized: int = 0
     selections: dict[int, torch.Tensor] = field(default_factory=dict)
-    steps: int = 0
 
 
 @dataclass
@@ -68,6 +68,7 @@ class _SparseRow:
     top_k: int
     first: int            # table column of the first selected block
     middle: torch.Tensor  # [M, r] device blocks (sparse) or host blocks (offload)
+    selects: bool         # a step that selects afresh (``LongContextConfig.selects_at``)
 
     @property
     def scoring_rows(self) -> torch.Tensor:
@@ -171,7 +172,6 @@ class SparseStep:
                 parts.append((table[:-(-length // bs)], None, None))
                 lens.append(length)
                 continue
-            st.steps += 1
             lay = o.config.layout(length)
             first, m = lay.first_middle * r, lay.num_middle * r
             end = first + m
@@ -184,7 +184,9 @@ class SparseStep:
             else:
                 middle = table[first:first + m]
             if lay.top_k:   # else no middle yet: initial and local blocks are the context
-                self.rows.append(_SparseRow(i, st, lay.top_k, first, middle.view(-1, r)))
+                self.rows.append(_SparseRow(i, st, lay.top_k, first, middle.view(-1, r),
+                                            o.config.selects_at(length - 1,
+                                                                st.num_prompt_tokens)))
             parts.append((table[:first], lay.top_k * r,
                           table[lay.local_start // bs:-(-length // bs)]))
             lens.append(lay.num_attended_tokens)
@@ -239,15 +241,15 @@ class SparseStep:
                                                           [sr.top_k for sr in due]))
 
     def _keep(self, layer: int, due: list[_SparseRow], chosen: list[torch.Tensor]) -> None:
-        """Each row's choice into its state's ``selections``, reused for
-        ``reselect_every`` steps while the middle keeps its size and k."""
+        """Each row's choice into its state's ``selections``, reused by the steps that do
+        not select afresh while the middle keeps its size and k."""
         for sr, c in zip(due, chosen):
             sr.state.selections[layer] = c
         self.owner.stats.selections += len(due)
 
     def _reuses(self, layer: int, sr: _SparseRow) -> bool:
-        st, last = sr.state, sr.state.selections.get(layer)
-        return (last is not None and (st.steps - 1) % self.owner.config.reselect_every != 0
+        last = sr.state.selections.get(layer)
+        return (last is not None and not sr.selects
                 and last.shape[1] == sr.top_k and int(last.max()) < sr.middle.shape[0])
 
     def _recall(self, layer: int, sr: _SparseRow, chosen: torch.Tensor,

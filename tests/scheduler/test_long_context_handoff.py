@@ -25,11 +25,12 @@ from workers.worker import Worker, WorkerSpec
 BLOCK_BYTES = 8192   # the tiny checkpoint's fp32 KV block (16 tokens)
 
 
-def _cell(path: str, pools: list[tuple[str, int, int]], **kw) -> GlobalScheduler:
+def _cell(path: str, pools: list[tuple[str, int, int]], every: int = 1,
+          **kw) -> GlobalScheduler:
     """A cell of workers given as (role, device blocks, host blocks), named
     ``{role}-{index}``, its context length resolved as ``ClusterEngine`` resolves it."""
     refs, limits = [], []
-    lc = LongContextConfig(**REGIONS)
+    lc = LongContextConfig(**REGIONS, reselect_every=every)
     for i, (role, blocks, host) in enumerate(pools):
         mine = dataclasses.replace(lc, host_kv_bytes=host * BLOCK_BYTES)
         spec = WorkerSpec(path, None, "float32", "cpu", 0, "torch",
@@ -81,8 +82,9 @@ def test_a_sequence_offloaded_where_it_decodes_moves_once_there_is_room(tiny_lon
     assert prefill.tiers.host_used == decode.tiers.host_used == 0
 
 
+@pytest.mark.parametrize("every", [1, 3])
 def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
-        tiny_long_factory):
+        tiny_long_factory, every):
     """Two decode workers prefill their own prompts; each gets one dense, one sparse and
     one offloaded sequence. Draining decode-0 after every sequence's first tokens hands
     all three to decode-1 (the offloaded one's middle from decode-0's host tier; the
@@ -94,10 +96,11 @@ def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
     prompts = {rid: torch.randint(3, 256, (n,), generator=g).tolist()
                for rid, n in lengths.items()}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    llm = make_llm(path, REGIONS)
+    llm = make_llm(path, {**REGIONS, "reselect_every": every})
     alone = {rid: llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids
              for rid, p in prompts.items()}
-    gs = _cell(path, [("decode", 512, 256), ("decode", 512, 256)], prefill_threshold=1000)
+    gs = _cell(path, [("decode", 512, 256), ("decode", 512, 256)], every,
+               prefill_threshold=1000)
 
     async def main():
         await gs.start()
@@ -133,8 +136,9 @@ def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
     (2, (63, 448, 532), (14, 31, 44)),    # the 532-token prompt, at its first decode step
     (11, (97, 371, 519), (15, 36, 47)),   # the 519-token prompt, 13 tokens in
 ], ids=["at-first-decode", "13-tokens-in"])
+@pytest.mark.parametrize("every", [1, 3])
 def test_a_long_sequence_preempted_goes_on_as_it_would_have(
-        tiny_long_factory, seed, lengths, max_tokens):
+        tiny_long_factory, seed, lengths, max_tokens, every):
     """One mixed worker whose pool cannot give the longest prompt its recall blocks
     beside the others', so it is preempted while decoding in offload mode and
     recomputed: from the blocks the prefix cache still holds, the rest of its prompt
@@ -147,10 +151,10 @@ def test_a_long_sequence_preempted_goes_on_as_it_would_have(
                for i, n in enumerate(lengths)}
     params = {rid: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for rid, n in zip(prompts, max_tokens)}
-    llm = make_llm(path, REGIONS, ops="torch")
+    llm = make_llm(path, {**REGIONS, "reselect_every": every}, ops="torch")
     alone = {rid: llm.generate([{"prompt_token_ids": p}], params[rid])[0].outputs[0].token_ids
              for rid, p in prompts.items()}
-    gs = _cell(path, [("mixed", 70, 40)])
+    gs = _cell(path, [("mixed", 70, 40)], every)
 
     async def main():
         await gs.start()

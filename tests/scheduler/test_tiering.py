@@ -9,6 +9,8 @@ workloads are in ``test_tiering_machine.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvcache.long_context import KVMode
@@ -215,6 +217,40 @@ def test_preempted_sequence_frees_both_tiers_and_offloads_anew_after_recompute()
     run(d)
     assert d.outputs["a"] == [TOKEN] * 100
     assert d.sched.num_recomputed_tokens == 454   # all it had computed: 450 + 4 replayed
+
+
+def _every(every: int):
+    """The harness's planner, selecting at every ``every``-th position."""
+    tiers = make().tiers
+    tiers.config = dataclasses.replace(tiers.config, reselect_every=every)
+    return tiers
+
+
+@pytest.mark.parametrize("every,cached,tokens,prompt_len,start", [
+    (1, 480, 490, 450, 480),   # every step selects: all the cached blocks
+    (3, 480, 490, 450, 480),   # the step at 480 selected (3 divides it)
+    (32, 480, 490, 450, 480),
+    (7, 480, 490, 450, 448),   # 480 and 464 reused; down to the first sparse step, 450
+    (9, 480, 490, 464, 464),   # 480 reused; 464 is the first sparse step
+    (7, 240, 250, 200, 240),   # dense: no selections
+    (7, 448, 450, 450, 448),   # a prompt
+])
+def test_a_recompute_replays_from_a_step_that_selected(every, cached, tokens, prompt_len,
+                                                       start):
+    assert _every(every).replay_start(cached, tokens, prompt_len) == start
+
+
+@pytest.mark.parametrize("every,tokens,prompt_len,movable", [
+    (1, 452, 450, True),
+    (3, 451, 450, True),    # its next step (450) is its first sparse one
+    (3, 452, 450, False),   # 451 and 452 reuse 450's selection
+    (3, 453, 450, False),
+    (3, 454, 450, True),    # 453 selects
+    (3, 200, 100, True),    # dense
+])
+def test_a_sequence_moves_only_before_a_step_that_selects(every, tokens, prompt_len,
+                                                          movable):
+    assert _every(every).may_move(tokens, prompt_len) is movable
 
 
 def test_a_recompute_replays_from_its_cached_blocks():

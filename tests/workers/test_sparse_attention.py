@@ -133,18 +133,22 @@ def test_offload_attends_what_sparse_attends(tiny_long_factory, ops):
     assert llm.engine.runner.long_context.stats.offloaded_blocks > 0
 
 
-@pytest.mark.parametrize(("caching", "steps"), [(True, 9), (False, 38)],
-                         ids=["cached", "uncached"])
-def test_a_preempted_sequence_goes_on_as_it_would_have(tiny_long_factory, caching, steps):
+@pytest.mark.parametrize(("caching", "every", "steps"),
+                         [(True, 1, 9), (False, 1, 38), (True, 3, 25), (False, 3, 38)],
+                         ids=["cached", "uncached", "cached-reselect-3", "uncached-reselect-3"])
+def test_a_preempted_sequence_goes_on_as_it_would_have(tiny_long_factory, caching, every,
+                                                       steps):
     """Preempted 37 tokens into its output in offload mode (a 420-token prompt), a
     sequence ends with the tokens of a run never preempted. Its recompute replays its
     sparse steps: with its blocks still cached, only those after its last full block
     (448..456, 9 steps to its next token); else all from its prompt's end (a prefill,
-    then 37 steps)."""
+    then 37 steps). Selecting every 3rd step, the step at 448 reused the selection of
+    447, so the replay starts at the last block boundary where a step selected: 432
+    (25 steps)."""
     path = tiny_long_factory("llama").path
     prompt = prompts()[2]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    llm = make_llm(path, REGIONS, caching=caching)
+    llm = make_llm(path, {**REGIONS, "reselect_every": every}, caching=caching)
     want = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0].token_ids
     engine = llm.engine
     engine.add_request("r", None, prompt, params, 0)
