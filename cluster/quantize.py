@@ -29,7 +29,7 @@ from workers.loading import load_checkpoint
 from workers.loading.checkpoint import Checkpoint
 from workers.loading.compressed_tensors import matches, pack_int8
 from workers.loading.gguf_checkpoint import converted_dir
-from workers.models.calibration import KINDS
+from workers.models.decoder import FUSED_MODULES
 from workers.models.gptq import gptq_calibration_ids, gptq_model
 from workers.models.smoothquant import smooth_for_w8a8
 from workers.ops.quant_linear import w8a16_group_size
@@ -37,10 +37,6 @@ from workers.ops.quant_linear import w8a16_group_size
 log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 
-# What each fused linear layer (``calibration.KINDS``) is made of, as HF modules.
-MODULES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-           "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-           "down": ("mlp.down_proj",)}
 _WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
                  "*.pt", "*.pth", "meta.json")
 
@@ -90,13 +86,13 @@ def fused_sites(num_layers: int, patterns: list[str], option: str) -> set[tuple[
     patterns take all of them or none."""
     taken = set()
     for i in range(num_layers):
-        for kind in KINDS:
-            names = [f"model.layers.{i}.{m}.weight" for m in MODULES[kind]]
+        for kind, modules in FUSED_MODULES.items():
+            names = [f"model.layers.{i}.{m}.weight" for m in modules]
             hits = [matches(n, patterns) for n in names]
             if any(hits) and not all(hits):
                 split = ", ".join(n.removesuffix(".weight") for n, h in zip(names, hits) if h)
                 raise ValueError(f"{option}: {split} without the rest of "
-                                 f"{', '.join(MODULES[kind])}, which share one product; "
+                                 f"{', '.join(modules)}, which share one product; "
                                  "name all of them or none")
             if all(hits):
                 taken.add((i, kind))
@@ -131,7 +127,7 @@ def quantize_checkpoint(checkpoint: Checkpoint, output: Path, ignore: list[str] 
     tensors = {name: t.contiguous().cpu() for name, t in weights.items()}
     for (i, kind), w in int8.items():
         row = 0
-        for module in MODULES[kind]:
+        for module in FUSED_MODULES[kind]:
             name = f"model.layers.{i}.{module}"
             rows, cols = tensors.pop(name + ".weight").shape
             q = w.qweight[row:row + rows].contiguous()
@@ -153,7 +149,8 @@ def _weight_only_group(weights: dict[str, torch.Tensor],
     """The weight-only group's input columns per scale: ``w8a16``'s groups where they
     divide every one of its layers' widths (the config has one group size), else None
     (per channel)."""
-    sizes = {w8a16_group_size(weights[f"model.layers.{i}.{MODULES[kind][0]}.weight"].shape[1])
+    first = {kind: modules[0] for kind, modules in FUSED_MODULES.items()}
+    sizes = {w8a16_group_size(weights[f"model.layers.{i}.{first[kind]}.weight"].shape[1])
              for i, kind in sites}
     return sizes.pop() if len(sizes) == 1 else None
 

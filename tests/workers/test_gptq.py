@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from cluster import LLM, SamplingParams
-from cluster.quantize import MODULES, quantize_checkpoint
+from cluster.quantize import quantize_checkpoint
 from tests.workers.test_smoothquant import CPU, ByteTokenizer, logits
 from workers.loading import load_checkpoint
+from workers.models.decoder import FUSED_MODULES
 from workers.models.gptq import gptq_int8
 from workers.models.smoothquant import smooth_for_w8a8
 from workers.ops.quant_linear import quantize_rows
@@ -93,7 +94,7 @@ def test_the_checkpoint_loads_int8_with_what_it_ignores_fp(quantize):
     assert config["ignore"] == ["lm_head", "re:.*down_proj"]
     loaded = load_checkpoint(str(out))
     for i in range(n):
-        for kind, modules in MODULES.items():
+        for kind, modules in FUSED_MODULES.items():
             for m in modules:
                 w = loaded.weights[f"model.layers.{i}.{m}.weight"]
                 assert w.dtype == (torch.float32 if kind == "down" else torch.int8)

@@ -24,7 +24,7 @@ import torch
 
 from kvcache.kv_tensors import KVShape
 from workers.model_config import ModelArchConfig
-from workers.models.decoder import DecoderLM
+from workers.models.decoder import FUSED_MODULES, DecoderLM
 from workers.ops import TorchOps, get_ops
 from workers.ops.base import AttentionMetadata, Ops, PrefillSegment
 from workers.tokenizer import Tokenizer
@@ -32,7 +32,7 @@ from workers.tokenizer import Tokenizer
 CALIBRATION_TOPIC = "execmodel"
 CALIBRATION_TOKENS = 512
 _BLOCK = 16
-KINDS = ("qkv", "o", "gate_up", "down")
+KINDS = tuple(FUSED_MODULES)
 
 
 @dataclass

@@ -21,6 +21,11 @@ from workers.model_config import ModelArchConfig
 from workers.ops.base import AttentionMetadata, Ops
 from workers.ops.quant_linear import Int8Weight, head_quantization
 
+# A decoder layer's fused linear layers, each one product over these HF modules.
+FUSED_MODULES = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+                 "down": ("mlp.down_proj",)}
+
 if TYPE_CHECKING:
     from workers.sparse_step import SparseStep
 
@@ -80,21 +85,24 @@ class DecoderLayer:
     def __init__(self, cfg: ModelArchConfig, w: dict[str, torch.Tensor], prefix: str,
                  ops: Ops, quantization: str = "none",
                  int8_schemes: Mapping[str, str] = MappingProxyType({})) -> None:
-        a, m = prefix + "self_attn.", prefix + "mlp."
+        a = prefix + "self_attn."
 
-        def linear(names: list[str]) -> torch.Tensor | Int8Weight:
-            return _linear(ops, w, names, quantization, int8_schemes)
-        self.qkv_w = linear([a + "q_proj", a + "k_proj", a + "v_proj"])
-        self.qkv_b = (torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"],
-                                 w[a + "v_proj.bias"]]) if cfg.qkv_bias else None)
-        self.o_w = linear([a + "o_proj"])
+        def names(kind: str) -> list[str]:
+            return [prefix + n for n in FUSED_MODULES[kind]]
+
+        def linear(kind: str) -> torch.Tensor | Int8Weight:
+            return _linear(ops, w, names(kind), quantization, int8_schemes)
+        self.qkv_w = linear("qkv")
+        self.qkv_b = (torch.cat([w[n + ".bias"] for n in names("qkv")]) if cfg.qkv_bias
+                      else None)
+        self.o_w = linear("o")
         self.o_b = w[a + "o_proj.bias"] if cfg.o_bias else None
         self.q_norm = w[a + "q_norm.weight"] if cfg.qk_norm else None
         self.k_norm = w[a + "k_norm.weight"] if cfg.qk_norm else None
         self.in_norm = w[prefix + "input_layernorm.weight"]
         self.post_norm = w[prefix + "post_attention_layernorm.weight"]
-        self.gate_up_w = linear([m + "gate_proj", m + "up_proj"])
-        self.down_w = linear([m + "down_proj"])
+        self.gate_up_w = linear("gate_up")
+        self.down_w = linear("down")
 
 
 class DecoderLM:

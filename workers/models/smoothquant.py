@@ -23,6 +23,7 @@ import torch
 
 from workers.model_config import ModelArchConfig
 from workers.models.calibration import LayerMaxima, activation_maxima, calibration_ids
+from workers.models.decoder import FUSED_MODULES
 from workers.tokenizer import Tokenizer
 
 ALPHA = 0.6     # the migration strength: best of 0.5-0.85 on the default model (RESULTS.md)
@@ -56,10 +57,9 @@ def smooth_weights(cfg: ModelArchConfig, weights: dict[str, torch.Tensor],
     for i, m in enumerate(maxima):
         p = f"model.layers.{i}."
         a, mlp = p + "self_attn.", p + "mlp."
-        for norm, names, act in ((p + "input_layernorm.weight",
-                                  [a + "q_proj", a + "k_proj", a + "v_proj"], m.qkv),
-                                 (p + "post_attention_layernorm.weight",
-                                  [mlp + "gate_proj", mlp + "up_proj"], m.gate_up)):
+        for norm, kind, act in ((p + "input_layernorm.weight", "qkv", m.qkv),
+                                (p + "post_attention_layernorm.weight", "gate_up", m.gate_up)):
+            names = [p + n for n in FUSED_MODULES[kind]]
             s = smoothing_factors(act, torch.cat([out[n + ".weight"] for n in names]), alpha)
             scale(norm, 1 / s, -1)
             for n in names:
