@@ -28,4 +28,4 @@ run: setup
 
 test: setup-test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
