@@ -168,11 +168,15 @@ class BlockChecksums:
         self._sums[ids] = checksums
         self._valid[ids] = True
 
-    def copied(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Blocks ``dst`` were overwritten whole with blocks ``src`` (a fork's copy)."""
+    def copied(self, src: Sequence[int], dst: Sequence[int],
+               origin: BlockChecksums | None = None) -> None:
+        """Blocks ``dst`` were overwritten whole with blocks ``src`` of this store (a
+        fork's copy) or of ``origin``'s, whose blocks have the same bytes (an offload
+        from a block-major pool to a host tier)."""
+        o = origin or self
         s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-        self._sums[d] = self._sums[s]
-        self._valid[d] = self._valid[s]
+        self._sums[d] = o._sums[s]
+        self._valid[d] = o._valid[s]
 
     def has(self, blocks: Sequence[int] | np.ndarray) -> np.ndarray:
         """Which of ``blocks`` have a stored checksum (bool per block)."""

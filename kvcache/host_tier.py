@@ -12,11 +12,13 @@ scheduler decides which host block holds what.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from kvcache.kv_tensors import KVShape
+from kvcache.shm_segment import SharedSegment
 
 # (src, src_ids, dst, dst_ids, head): ``copy_kv_blocks``'s signature, which a device's
 # ops may implement faster (``Ops.copy_kv_blocks``)
@@ -40,17 +42,25 @@ def copy_kv_blocks(src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
 
 class HostKVStore:
     def __init__(self, shape: KVShape, num_blocks: int, pin: bool = False,
-                 copy: KVBlockCopy = copy_kv_blocks) -> None:
+                 copy: KVBlockCopy = copy_kv_blocks, shared: bool = False) -> None:
         """``copy``: how blocks move between the pool and this store (the device's
-        ``Ops.copy_kv_blocks``)."""
+        ``Ops.copy_kv_blocks``); ``shared``: in a shared-memory ``segment``, which peers on
+        this node copy a handoff's blocks out of, as out of a shared pool."""
         self.num_blocks = num_blocks
         self.copy = copy
         # Uninitialised: a host block is always written before it is read, and untouched
         # pages of a large budget cost no memory until the tier fills. Block-major
         # (kv_tensors), as shared pools are, so a handoff copies a block as one run.
-        blocks = torch.empty((num_blocks, shape.num_layers, 2, shape.block_size,
-                              shape.num_kv_heads, shape.head_dim), dtype=shape.dtype,
-                             pin_memory=pin)
+        dims = (num_blocks, shape.num_layers, 2, shape.block_size, shape.num_kv_heads,
+                shape.head_dim)
+        self.segment = None
+        if shared and num_blocks:
+            count = math.prod(dims)
+            self.segment = SharedSegment(count * shape.dtype.itemsize, "kvhost", prefault=False)
+            blocks = torch.frombuffer(self.segment.buffer, dtype=shape.dtype,
+                                      count=count).view(dims)
+        else:
+            blocks = torch.empty(dims, dtype=shape.dtype, pin_memory=pin)
         self.kv = blocks.permute(1, 2, 0, 3, 4, 5)   # [L, 2, blocks, bs, KVH, D]
 
     def offload(self, kv_caches: list[torch.Tensor], device_ids: list[int],

@@ -10,7 +10,8 @@ returning, and only then are the sender's blocks released (they are pinned until
   ``BlockChecksums``), and whose metadata names the sender's segment. The receiver maps
   that segment once and copies each block straight into its own pool, taking its CRC32C
   in the same pass (``block_checksum.copy_verified``), on torch's threads: one copy, no
-  staging, no object store.
+  staging, no object store. A sequence in offload mode reads its middle from the
+  sender's host tier, whose shared segment the metadata names too (``SharedHostRows``).
 - ``OBJECT_STORE`` (across nodes, or pools outside shared memory): the KV batch with its
   payload, returned by the sender's method so that the caller owns it, in parts of at
   most ``MAX_PART_BYTES`` each so no one object grows past a few hundred MB.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,16 +110,16 @@ def plan_handoff(src: WorkerPlace | None, dst: WorkerPlace | None, num_blocks: i
     """A device transport both workers have; else shared memory when both pools are in
     shared segments on one node; else the object store. A worker whose place is unknown
     gets the object store in one part. Rows from the sender's host tier
-    (``HandoffPlan``'s) lie in no shared segment and on no device: an export with any
-    goes through the object store."""
+    (``HandoffPlan``'s) are on no device, so an export with any takes a host path; a
+    worker whose pool is in a shared segment has its host tier in one too."""
     host = {"host_first_row": host_first_row, "host_block_ids": tuple(host_block_ids)}
     if src is None or dst is None:
         return HandoffPlan(Transport.OBJECT_STORE, 1, **host)
-    if not host_block_ids:
-        if src.tensor_transport is not None and src.tensor_transport == dst.tensor_transport:
-            return HandoffPlan(Transport.DEVICE, 1, src.tensor_transport)
-        if src.node_id == dst.node_id and src.segment is not None and dst.segment is not None:
-            return HandoffPlan(Transport.SHARED_MEMORY, 1)
+    if (not host_block_ids and src.tensor_transport is not None
+            and src.tensor_transport == dst.tensor_transport):
+        return HandoffPlan(Transport.DEVICE, 1, src.tensor_transport)
+    if src.node_id == dst.node_id and src.segment is not None and dst.segment is not None:
+        return HandoffPlan(Transport.SHARED_MEMORY, 1, **host)
     return HandoffPlan(Transport.OBJECT_STORE,
                        max(1, math.ceil(num_blocks * src.block_bytes / MAX_PART_BYTES)), **host)
 
@@ -140,19 +141,38 @@ def pool_checksums(kv_caches: Sequence[torch.Tensor]) -> BlockChecksums:
     return BlockChecksums(_slab_bytes(kv_caches))
 
 
+@dataclass
+class SharedHostRows:
+    """Rows of a shared-memory export that the sender reads from its host tier, a
+    block-major store at the start of ``segment`` whose ``checksums`` it keeps."""
+
+    rows: HostRows
+    segment: SegmentHandle
+    checksums: BlockChecksums
+
+
 def export_shared(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int],
                   block_hashes: Sequence[bytes | None], token_counts: Sequence[int],
                   meta: KVLayoutMeta, segment: SegmentHandle, checksums: BlockChecksums,
-                  summaries: torch.Tensor | None = None) -> pa.RecordBatch:
+                  summaries: torch.Tensor | None = None,
+                  host: SharedHostRows | None = None) -> pa.RecordBatch:
     """The description of blocks ``block_ids`` of a pool that lies at the start of
-    ``segment``: no payload, a checksum per block from the pool's ``checksums`` (those
-    stored when the blocks were written; the others hashed now)."""
+    ``segment``, with the ``host`` rows among them: no payload, a checksum per block
+    from its store (those stored when the blocks were written; the others hashed now)."""
     slabs = _check_shared_pool(kv_caches, meta, checksums)
     src = np.asarray(block_ids, dtype=np.int32)
+    sums = checksums.of(src)
     fields = {"num_blocks": kv_caches[0].shape[1], "block_runs": slabs.shape[0],
               **{f"segment_{k}": getattr(segment, k) for k in _SEGMENT_FIELDS}}
-    return describe(Transport.SHARED_MEMORY, meta, block_hashes, token_counts,
-                    checksums.of(src), summaries, fields, src)
+    if host is not None:
+        h0, ids = host.rows.first_row, np.asarray(host.rows.block_ids, dtype=np.int32)
+        src = np.concatenate([src[:h0], ids, src[h0:]])
+        sums = np.concatenate([sums[:h0], host.checksums.of(ids), sums[h0:]])
+        fields |= {"host_first_row": h0, "host_rows": len(ids),
+                   "host_num_blocks": host.rows.kv.shape[2],
+                   **{f"host_segment_{k}": getattr(host.segment, k) for k in _SEGMENT_FIELDS}}
+    return describe(Transport.SHARED_MEMORY, meta, block_hashes, token_counts, sums,
+                    summaries, fields, src)
 
 
 def describe(transport: Transport, meta: KVLayoutMeta, block_hashes: Sequence[bytes | None],
@@ -238,69 +258,102 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                   dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta,
                   peers: PeerSegments, checksums: BlockChecksums,
                   host: HostRows | None = None) -> ImportedBlocks:
-    """Copy the described blocks out of the sender's segment into ``dst_block_ids`` (and
-    the ``host`` rows into host-tier blocks), verifying each block as it lands, on
+    """Copy the described blocks out of the sender's segments (its pool's, and its host
+    tier's for the rows the metadata names) into ``dst_block_ids`` (and the ``host``
+    rows into host-tier blocks), verifying each block as it lands, on
     ``torch.get_num_threads()`` threads; the pool's ``checksums`` learn the verified ones.
 
     Everything but the payload is checked first; the payload is checked block by block.
     """
     dst = _check_shared_pool(kv_caches, expected_meta, checksums)
-    num_host = len(host.block_ids) if host else 0
-    d = read_description(batch, expected_meta, len(dst_block_ids) + num_host)
-    received = d.metadata
-    try:
-        segment = SegmentHandle(*(int(received[f"segment_{k}".encode()])
-                                  for k in _SEGMENT_FIELDS))
-        src_blocks = int(received[b"num_blocks"])
-        src_runs = int(received[b"block_runs"])
-    except (KeyError, ValueError) as e:
-        raise KVTransferError(f"KV description: no segment ({e!r}); expected the metadata "
-                              "export_shared writes") from e
-    if src_runs != dst.shape[0]:
-        raise KVTransferError(f"KV segment: the sender's pool holds a block in {src_runs} "
-                              f"runs, this one in {dst.shape[0]}; expected pools of one order "
-                              "(allocate_kv_cache's block_major)")
-    src, sums = d.src, d.checksums
-    if src is None:
+    n = len(dst_block_ids) + (len(host.block_ids) if host else 0)
+    d = read_description(batch, expected_meta, n)
+    if d.src is None:
         raise KVTransferError("KV description: no src_block column; expected the columns "
                               "export_shared writes")
-    slab_bytes = dst.shape[2]
-    need = dst.shape[0] * src_blocks * slab_bytes
+    pool_src, host_src = _sender_segments(d.metadata, dst, peers)
+    # Each row's destination (this pool, or this host tier) and source (the sender's).
+    rows = np.arange(n)
+    to_host = _rows_in(rows, host.first_row, len(host.block_ids)) if host else rows < 0
+    from_host = (_rows_in(rows, *host_src[1]) if host_src is not None else rows < 0)
+    ids = np.asarray(dst_block_ids, dtype=np.int64)   # the copy checks them, and src's
+    dst_ids = np.empty(n, dtype=np.int64)
+    dst_ids[~to_host] = ids
+    dst_ids[to_host] = host.block_ids if host else []
+    stores = ((pool_src, dst), (host_src[0] if host_src is not None else None,
+                                _slab_bytes(host.kv.unbind(0)) if host else None))
+    src, sums, bad, copies = d.src, d.checksums, None, 0
+    try:
+        # One copy per pair of stores: sender pool or host tier, into this pool or tier.
+        for s_host, d_host in ((0, 0), (1, 0), (0, 1), (1, 1)):
+            sel = np.flatnonzero((from_host == s_host) & (to_host == d_host))
+            if sel.size:
+                bad = copy_verified(stores[s_host][0], src[sel], stores[d_host][1],
+                                    dst_ids[sel], sums[sel], torch.get_num_threads())
+                copies += 1
+                if bad is not None:
+                    bad = int(sel[bad])
+                    break
+    except BlockIdError as e:   # raised before that copy moved a byte
+        if copies:   # an earlier one did
+            checksums.written(ids)
+        if e.side == "destination":
+            raise   # our own ids: a local bug, not a transfer to recompute
+        raise KVTransferError(f"KV description src_block: {e} (the sender's pool or host "
+                              "tier)") from e
+    if bad is not None:
+        checksums.written(ids)   # they may hold part of a copy
+        raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
+                              f"match checksum {sums[bad]:#018x}: corrupted or "
+                              "overwritten in the sender's pool")
+    checksums.stored(ids, sums[~to_host])   # each verified as it landed
+    return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
+
+
+def _rows_in(rows: np.ndarray, first: int, count: int) -> np.ndarray:
+    return (rows >= first) & (rows < first + count)
+
+
+def _sender_segments(received: dict[bytes, bytes], dst: np.ndarray, peers: PeerSegments
+                     ) -> tuple[np.ndarray, tuple[np.ndarray, tuple[int, int]] | None]:
+    """The sender's pool as ``dst``-shaped slabs, and its host tier's with the rows read
+    from it (first, count) when the description has any, from the metadata
+    ``export_shared`` writes; KVTransferError when they cannot be mapped or do not fit."""
+    def number(key: str) -> int:
+        try:
+            return int(received[key.encode()])
+        except (KeyError, ValueError) as e:
+            raise KVTransferError(f"KV description: no segment ({e!r}); expected the "
+                                  "metadata export_shared writes") from e
+
+    pool = _mapped(number, "", number("block_runs"), dst, peers)
+    if b"host_rows" not in received:
+        return pool, None
+    host = _mapped(number, "host_", 1, dst, peers)
+    return pool, (host, (number("host_first_row"), number("host_rows")))
+
+
+def _mapped(number: Callable[[str], int], prefix: str, runs: int, dst: np.ndarray,
+            peers: PeerSegments) -> np.ndarray:
+    """One of the sender's block stores (``prefix``: ``""`` its pool, ``host_`` its host
+    tier, block-major) as ``(runs, blocks, run bytes)`` over its mapped segment."""
+    segment = SegmentHandle(*(number(f"{prefix}segment_{k}") for k in _SEGMENT_FIELDS))
+    num_blocks = number(f"{prefix}num_blocks")
+    if runs != dst.shape[0]:
+        kind = "host tier" if prefix else "pool"
+        raise KVTransferError(f"KV segment: the sender's {kind} holds a block in {runs} runs, "
+                              f"this one in {dst.shape[0]}; expected pools of one order "
+                              "(allocate_kv_cache's block_major)")
+    need = dst.shape[0] * num_blocks * dst.shape[2]
     if need > segment.nbytes:
         raise KVTransferError(f"KV segment: {segment.nbytes} bytes, expected >= {need} for "
-                              f"a pool of {src_blocks} blocks")
+                              f"a {'host tier' if prefix else 'pool'} of {num_blocks} blocks")
     try:
         mapped = peers.map(segment)
     except SegmentError as e:
         raise KVTransferError(str(e)) from e
-    source = np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(dst.shape[0],
-                                                                       src_blocks, slab_bytes)
-    ids = np.asarray(dst_block_ids, dtype=np.int64)   # the copy checks them, and src's
-    h0 = host.first_row if host else batch.num_rows
-    pool_rows = np.r_[0:h0, h0 + num_host:batch.num_rows] if host else np.s_[:]
-    threads = torch.get_num_threads()
-    try:
-        bad = copy_verified(source, src[pool_rows], dst, ids, sums[pool_rows], threads)
-        if bad is not None:
-            checksums.written(ids)   # they hold part of a copy
-            bad = int(pool_rows[bad]) if host else bad
-        else:
-            checksums.stored(ids, sums[pool_rows])   # each verified as it landed
-            if host:
-                host_bytes = _slab_bytes(host.kv.unbind(0))
-                rows = np.arange(h0, h0 + num_host)
-                bad = copy_verified(source, src[rows], host_bytes, host.block_ids, sums[rows],
-                                    threads)
-                bad = None if bad is None else int(rows[bad])
-    except BlockIdError as e:   # raised before that copy moved a byte
-        if e.side == "destination":
-            raise   # our own ids: a local bug, not a transfer to recompute
-        raise KVTransferError(f"KV description src_block: {e} (the sender's pool)") from e
-    if bad is not None:
-        raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
-                              f"match checksum {sums[bad]:#018x}: corrupted or "
-                              "overwritten in the sender's pool")
-    return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
+    return np.frombuffer(mapped, dtype=np.uint8, count=need).reshape(dst.shape[0], num_blocks,
+                                                                     dst.shape[2])
 
 
 def _check_shared_pool(kv_caches: Sequence[torch.Tensor], meta: KVLayoutMeta,

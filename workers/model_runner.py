@@ -131,8 +131,13 @@ class ModelRunner:
         self.long_context = (
             LongContextAttention(long_context, self.kv_shape, num_blocks, device,
                                  self.ops.block_selector(long_context.summary),
-                                 self.ops.copy_kv_blocks)
+                                 self.ops.copy_kv_blocks, shared_host=self.kv_segment is not None)
             if long_context is not None and long_context.enabled else None)
+        # The host tier of a shared pool is shared too, and keeps its blocks' checksums
+        # the same way: an offload copies a pool block's (the bytes are the same).
+        host = self.long_context.host if self.long_context is not None else None
+        self.host_checksums = (pool_checksums(list(host.kv.unbind(0)))
+                               if host is not None and host.segment is not None else None)
         self.sampler = Sampler(cfg.vocab_size, cfg.eos_token_ids, seed=seed)
         self.tokenizer = checkpoint.tokenizer
         self._structured: StructuredOutputs | None = None  # built at the first constrained request
@@ -187,6 +192,9 @@ class ModelRunner:
                                                     state.block_ids, state.num_prompt_tokens)
             if self.kv_checksums is not None:   # each step recalls host slices into them
                 self.kv_checksums.written(c.recall_block_ids)
+            if self.host_checksums is not None and c.offload_block_ids:
+                self.host_checksums.copied(c.offload_block_ids,
+                                           c.host_block_ids[c.num_received:], self.kv_checksums)
 
     def _long_context(self) -> LongContextAttention:
         if self.long_context is None:

@@ -28,9 +28,10 @@ from workers.sparse_step import SeqTierState, SparseStep
 class LongContextAttention:
     def __init__(self, config: LongContextConfig, shape: KVShape, num_blocks: int,
                  device: torch.device, selector: BlockSelector,
-                 copy: KVBlockCopy = copy_kv_blocks) -> None:
+                 copy: KVBlockCopy = copy_kv_blocks, shared_host: bool = False) -> None:
         """``selector``: the device's exact top-k (``Ops.block_selector``) or an index;
-        ``copy``: how blocks move to and from the host tier (``Ops.copy_kv_blocks``)."""
+        ``copy``: how blocks move to and from the host tier (``Ops.copy_kv_blocks``);
+        ``shared_host``: the host tier in a segment peers copy from (``HostKVStore``)."""
         config.check_block_size(shape.block_size)
         self.config = config
         self.shape = shape
@@ -39,7 +40,8 @@ class LongContextAttention:
                                       shape.num_kv_heads, value_width(shape.head_dim, shape.dtype)),
                                      device=device)
         host_blocks = config.host_budget // shape.bytes_per_block
-        self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu", copy=copy)
+        self.host = HostKVStore(shape, host_blocks, pin=device.type != "cpu", copy=copy,
+                                shared=shared_host)
         self.selector = selector
         self.stats = TierStats(host_blocks=host_blocks)
         self._received: dict[int, torch.Tensor | None] = {}   # host block -> its summaries

@@ -33,6 +33,7 @@ from kvcache.kv_transfer import (
 from kvcache.kv_transport import (
     HandoffInfo,
     HandoffPlan,
+    SharedHostRows,
     Transport,
     WorkerPlace,
     export_shared,
@@ -141,10 +142,10 @@ class Worker:
         lc = self.runner.long_context
         host = None
         if plan.host_block_ids:
-            if lc is None or plan.transport is not Transport.OBJECT_STORE:
+            if lc is None or plan.transport is Transport.DEVICE:
                 raise ValueError(f"plan: {len(plan.host_block_ids)} rows from the host tier "
-                                 f"through {plan.transport.value}; expected the object "
-                                 "store, of a worker with long contexts on")
+                                 f"through {plan.transport.value}; expected a host transport, "
+                                 "of a worker with long contexts on")
             host = HostRows(plan.host_first_row, list(plan.host_block_ids), lc.host.kv)
         summaries = (lc.summaries[:, torch.as_tensor(block_ids)].transpose(0, 1)
                      if lc and host is None else None)
@@ -154,8 +155,17 @@ class Worker:
             if segment is None or sums is None:
                 raise ValueError("plan: shared memory, but this worker's pool is not in a "
                                  "shared segment (a device pool); plan the object store")
+            shared_host = None
+            if host is not None:
+                host_sums = self.runner.host_checksums
+                if lc.host.segment is None or host_sums is None:
+                    raise ValueError("plan: host rows through shared memory, but this "
+                                     "worker's host tier is not in a shared segment; plan "
+                                     "the object store")
+                shared_host = SharedHostRows(host, lc.host.segment.handle, host_sums)
             batches = [export_shared(self.runner.kv_caches, block_ids, block_hashes,
-                                     token_counts, self.meta, segment.handle, sums, summaries)]
+                                     token_counts, self.meta, segment.handle, sums, summaries,
+                                     shared_host)]
         elif plan.transport is Transport.DEVICE:
             def gather() -> tuple[pa.RecordBatch, torch.Tensor]:
                 return export_device(self.runner.kv_caches, block_ids, block_hashes,
@@ -239,6 +249,8 @@ class Worker:
             imported.append(copy() if self.streams is None else self.streams.import_(copy, ids))
             if sums is not None:   # hashed if ever exported again, not on this path
                 sums.written(ids)
+        if host_ids and self.runner.host_checksums is not None:   # the same for these
+            self.runner.host_checksums.written(host_ids)
         if lc is not None:
             if self.streams is not None:  # the summaries read the imported blocks
                 self.streams.before_step(block_ids)

@@ -59,7 +59,8 @@ def test_a_drained_decode_worker_moves_its_offloaded_sequence(ray_instance,
                                                               tiny_long_factory):
     """1 prefill + 2 decode workers; once a decode worker holds a sequence in offload
     mode it is removed, and that sequence moves with its middle read from the worker's
-    host tier (the object store carries it). The texts stay the one-process engine's."""
+    host tier (in a shared segment, as its pool is: one node). The texts stay the
+    one-process engine's."""
     path = tiny_long_factory("llama").path
     llm = LLM(config=_config(path, 384))
     local = [o.outputs[0].token_ids for o in
@@ -86,7 +87,8 @@ def test_a_drained_decode_worker_moves_its_offloaded_sequence(ray_instance,
         assert stats.num_migrated >= 1 and stats.num_recovered == 0
         (peer,) = [w for w in stats.workers if w.role == "decode"]
         assert peer.kv_received.failures == 0
-        assert peer.kv_received.transports.get("object_store", 0) >= 1
+        assert peer.kv_received.transports.get("shm", 0) >= 1
+        assert "object_store" not in peer.kv_received.transports
         assert peer.tiers.host_used == 0
     finally:
         engine.shutdown()

@@ -114,6 +114,63 @@ def test_host_rows_and_summaries_arrive_bit_exact():
                            kv[:, [1, 4]].view(torch.uint8))
 
 
+def _shared_host_tier(meta, num_blocks: int, seed: int) -> HostKVStore:
+    shape = KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads, meta.head_dim,
+                    getattr(torch, meta.dtype))
+    store = HostKVStore(shape, num_blocks, shared=True)
+    store.segment.buffer[:] = np.random.default_rng(seed).integers(
+        0, 256, store.segment.handle.nbytes, dtype=np.uint8).tobytes()
+    return store
+
+
+def _export_with_host_rows(meta, seed: int):
+    """A sender's six rows: pool blocks 6, 1 (rows 0-1), host blocks 4, 0, 2 (rows 2-4),
+    pool block 3 (row 5); the sender's pool, host tier and description."""
+    seg, src = shared_pool(meta, 8, seed=seed)
+    host = _shared_host_tier(meta, 5, seed=seed + 1)
+    rows = kv_transport.SharedHostRows(HostRows(2, [4, 0, 2], host.kv), host.segment.handle,
+                                       pool_checksums(list(host.kv.unbind(0))))
+    batch = export_shared(src, [6, 1, 3], *seq_blocks(meta, 6), meta, seg.handle,
+                          pool_checksums(src), host=rows)
+    return src, host, batch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_from_the_senders_host_tier_arrive_bit_exact(dtype):
+    """The receiver's host tier takes rows 1-3: rows come from each of the sender's two
+    stores into each of the receiver's two, every one a copy of its own block."""
+    meta = make_meta(dtype)
+    src, host, batch = _export_with_host_rows(meta, seed=11)
+    _, dst = shared_pool(meta, 8, seed=13)
+    receiver = HostKVStore(KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads,
+                                   meta.head_dim, dtype), 4).kv
+    sums = pool_checksums(dst)
+    got = import_shared(batch, dst, [2, 7, 5], meta, PeerSegments(), sums,
+                        HostRows(1, [3, 1, 0], receiver))
+    sender_rows = [("pool", 6), ("pool", 1), ("host", 4), ("host", 0), ("host", 2),
+                   ("pool", 3)]
+    receiver_rows = [("pool", 2), ("host", 3), ("host", 1), ("host", 0), ("pool", 7),
+                     ("pool", 5)]
+    stores = {"pool": {"src": src, "dst": dst},
+              "host": {"src": list(host.kv.unbind(0)), "dst": list(receiver.unbind(0))}}
+    for (s_kind, s_id), (d_kind, d_id) in zip(sender_rows, receiver_rows):
+        assert_blocks_equal(stores[d_kind]["dst"], [d_id], stores[s_kind]["src"], [s_id])
+    assert got.block_ids == [2, 7, 5]
+    assert sums.has([2, 7, 5]).all()   # verified as they landed
+
+
+def test_a_host_row_changed_after_its_export_is_refused():
+    """Its checksum was the host tier's stored one: the copy of row 3 (host block 0) does
+    not match it, and the import names that row."""
+    meta = make_meta(torch.float16)
+    _, host, batch = _export_with_host_rows(meta, seed=17)
+    _, dst = shared_pool(meta, 8, seed=19)
+    host.kv[1, 0, 0].view(torch.uint8).flatten()[0] ^= 1
+    with pytest.raises(KVTransferError, match=r"KV block 3 \(sender block 0\)"):
+        import_shared(batch, dst, [0, 1, 2, 3, 4, 5], meta, PeerSegments(),
+                      pool_checksums(dst))
+
+
 @pytest.mark.parametrize("block_major", [True, False], ids=["block-major", "layer-major"])
 def test_block_checksum_is_crc32c_of_the_batch_row(block_major):
     """Taken over the pool's runs in place, it equals CRC32C of the row the object-store
@@ -336,15 +393,18 @@ def test_same_node_shares_memory_and_another_node_uses_the_object_store_in_parts
     assert plan_handoff(None, here, 5) == HandoffPlan(Transport.OBJECT_STORE, 1)
 
 
-def test_rows_from_the_senders_host_tier_go_through_the_object_store():
-    """They lie in no shared segment and on no device, whatever the pair shares."""
+def test_rows_from_the_senders_host_tier_share_memory_and_never_take_a_device():
+    """A host tier lies in a shared segment where the pool does (one node), and on no
+    device: there the object store carries them, whatever else the pair shares."""
     handle = SegmentHandle(1, 3, 4, 1 << 30)
-    for place in (WorkerPlace("node-a", 1 << 20, handle),
-                  WorkerPlace("node-a", 1 << 20, None, tensor_transport="nixl")):
-        assert plan_handoff(place, place, 6, 2, [7, 4]) == \
-            HandoffPlan(Transport.OBJECT_STORE, 1, None, 2, (7, 4))
+    shared = WorkerPlace("node-a", 1 << 20, handle, tensor_transport="nixl")
+    assert plan_handoff(shared, shared, 6, 2, [7, 4]) == \
+        HandoffPlan(Transport.SHARED_MEMORY, 1, None, 2, (7, 4))
+    device = WorkerPlace("node-a", 1 << 20, None, tensor_transport="nixl")
+    assert plan_handoff(device, device, 6, 2, [7, 4]) == \
+        HandoffPlan(Transport.OBJECT_STORE, 1, None, 2, (7, 4))
     per_part = MAX_PART_BYTES // (1 << 20)
-    assert plan_handoff(place, place, per_part + 1, 0, [3]).parts == 2
+    assert plan_handoff(device, device, per_part + 1, 0, [3]).parts == 2
 
 
 @pytest.mark.parametrize("rows,parts", [(10, 3), (2, 2), (0, 1), (7, 1)])

@@ -88,8 +88,9 @@ def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
     """Two decode workers prefill their own prompts; each gets one dense, one sparse and
     one offloaded sequence. Draining decode-0 after every sequence's first tokens hands
     all three to decode-1 (the offloaded one's middle from decode-0's host tier; the
-    sparse one crosses into offload mode on decode-1). Every text equals the one-process
-    engine's, nothing is recomputed, and decode-0 leaves the cell."""
+    sparse one crosses into offload mode on decode-1), all three through shared memory.
+    Every text equals the one-process engine's, nothing is recomputed, and decode-0
+    leaves the cell."""
     path = tiny_long_factory("llama").path
     g = torch.Generator().manual_seed(5)
     lengths = {"d0": 90, "d1": 100, "s0": 350, "s1": 340, "o0": 420, "o1": 410}
@@ -129,6 +130,7 @@ def test_a_draining_long_context_worker_moves_its_sequences_in_every_mode(
     (peer,) = stats.workers
     assert peer.worker_id == "decode-1" and peer.kv_received.failures == 0
     assert peer.tier_stats.received_blocks >= 20     # o0's middle, into its host tier
+    assert peer.kv_received.transports == {"shm": 3}   # o0's from decode-0's host tier too
     assert peer.tiers.host_used == 0
 
 

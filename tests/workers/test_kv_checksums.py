@@ -1,7 +1,8 @@
 """A host pool's stored block checksums stay true through every path that writes a block:
-steps (whole and chunked prefill, decodes), forks, tier recalls, imports, int8 KV. Every
-block is sealed first, so a path that wrote without telling the store would leave a
-stale checksum behind, and the check after each step would see it."""
+steps (whole and chunked prefill, decodes), forks, tier recalls, imports, int8 KV; and
+so do its host tier's, through offloads. Every block is sealed first, so a path that
+wrote without telling the store would leave a stale checksum behind, and the check after
+each step would see it."""
 
 from __future__ import annotations
 
@@ -21,23 +22,31 @@ SHM = HandoffPlan(Transport.SHARED_MEMORY, 1)
 
 
 def assert_stored_are_fresh(runner) -> None:
-    everything = np.arange(runner.num_blocks)
-    stored = everything[runner.kv_checksums.has(everything)]
-    want = block_checksums(_slab_bytes(runner.kv_caches), stored)
-    bad = stored[runner.kv_checksums.of(stored) != want]
-    assert bad.size == 0, f"stale checksums of blocks {bad.tolist()}"
+    stores = [(runner.kv_checksums, runner.kv_caches)]
+    if runner.host_checksums is not None:
+        stores.append((runner.host_checksums, list(runner.long_context.host.kv.unbind(0))))
+    for sums, kv in stores:
+        everything = np.arange(kv[0].shape[1])
+        stored = everything[sums.has(everything)]
+        want = block_checksums(_slab_bytes(kv), stored)
+        bad = stored[sums.of(stored) != want]
+        assert bad.size == 0, f"stale checksums of blocks {bad.tolist()}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_stored_checksums_match_the_blocks_after_every_step(tiny_long_factory, kv_dtype):
     """Chunked prefills, decodes, n = 2 forks (the partial block copied) and offload mode
-    (middle blocks recalled into recall blocks in every decode step)."""
+    (middle blocks recalled into recall blocks in every decode step; offloaded blocks
+    take their pool block's checksum into the host tier's store)."""
     llm = make_llm(tiny_long_factory("llama").path, {**REGIONS, "top_k_percent": 0.2},
                    chunk=96, kv_dtype=kv_dtype)
     engine, runner = llm.engine, llm.engine.runner
     runner.kv_checksums = pool_checksums(runner.kv_caches)
     runner.kv_checksums.seal(np.arange(runner.num_blocks))
+    host = runner.long_context.host
+    runner.host_checksums = pool_checksums(list(host.kv.unbind(0)))
+    runner.host_checksums.seal(np.arange(host.num_blocks))
     for i, p in enumerate(prompts()):
         engine.add_request(f"r{i}", None, p, SamplingParams(
             temperature=0.8, seed=i, max_tokens=40, ignore_eos=True, n=2 if i == 3 else 1))

@@ -93,10 +93,12 @@ def test_unknown_role_is_refused(tiny_factory):
         _worker(tiny_factory("llama").path, "verifier")
 
 
-def test_host_rows_need_the_object_store_and_a_host_tier(tiny_factory):
+def test_host_rows_need_a_host_transport_and_a_host_tier(tiny_factory):
+    """This worker has no host tier, and a device transport never carries host rows."""
     worker = _worker(tiny_factory("llama").path)
     for plan in (HandoffPlan(Transport.OBJECT_STORE, 1, None, 1, (3,)),
-                 HandoffPlan(Transport.SHARED_MEMORY, 1, None, 1, (3,))):
+                 HandoffPlan(Transport.SHARED_MEMORY, 1, None, 1, (3,)),
+                 HandoffPlan(Transport.DEVICE, 1, "nixl", 1, (3,))):
         with pytest.raises(ValueError, match="1 rows from the host tier through "
-                                             f"{plan.transport.value}; expected the object"):
+                                             f"{plan.transport.value}; expected a host"):
             worker.export_kv([0], [None] * 2, [16, 16], plan)
