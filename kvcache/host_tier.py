@@ -45,18 +45,23 @@ class HostKVStore:
                  copy: KVBlockCopy = copy_kv_blocks, shared: bool = False) -> None:
         """``copy``: how blocks move between the pool and this store (the device's
         ``Ops.copy_kv_blocks``); ``shared``: in a shared-memory ``segment``, which peers on
-        this node copy a handoff's blocks out of, as out of a shared pool."""
+        this node copy a handoff's blocks out of, as out of a shared pool. Such a segment
+        is faulted in whole at start, as the pool's is and as pinned memory is on an
+        accelerator; else offloads and handoffs would pay for its first writes, 0.8 s a
+        GB on 4 KB pages of an idle machine and about 2.6 s on a busy one (populating it
+        at start: 0.55 s a GB; benchmarks/RESULTS.md)."""
         self.num_blocks = num_blocks
         self.copy = copy
-        # Uninitialised: a host block is always written before it is read, and untouched
-        # pages of a large budget cost no memory until the tier fills. Block-major
-        # (kv_tensors), as shared pools are, so a handoff copies a block as one run.
+        # A private store is left uninitialised: a host block is always written before it
+        # is read, and untouched pages of a large budget cost no memory until the tier
+        # fills. Block-major (kv_tensors), as shared pools are, so a handoff copies a
+        # block as one run.
         dims = (num_blocks, shape.num_layers, 2, shape.block_size, shape.num_kv_heads,
                 shape.head_dim)
         self.segment = None
         if shared and num_blocks:
             count = math.prod(dims)
-            self.segment = SharedSegment(count * shape.dtype.itemsize, "kvhost", prefault=False)
+            self.segment = SharedSegment(count * shape.dtype.itemsize, "kvhost")
             blocks = torch.frombuffer(self.segment.buffer, dtype=shape.dtype,
                                       count=count).view(dims)
         else:

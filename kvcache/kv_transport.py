@@ -257,11 +257,14 @@ def read_description(batch: pa.RecordBatch, expected_meta: KVLayoutMeta,
 def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                   dst_block_ids: Sequence[int], expected_meta: KVLayoutMeta,
                   peers: PeerSegments, checksums: BlockChecksums,
-                  host: HostRows | None = None) -> ImportedBlocks:
+                  host: HostRows | None = None,
+                  host_checksums: BlockChecksums | None = None) -> ImportedBlocks:
     """Copy the described blocks out of the sender's segments (its pool's, and its host
     tier's for the rows the metadata names) into ``dst_block_ids`` (and the ``host``
     rows into host-tier blocks), verifying each block as it lands, on
-    ``torch.get_num_threads()`` threads; the pool's ``checksums`` learn the verified ones.
+    ``torch.get_num_threads()`` threads; the pool's ``checksums`` learn the verified ones,
+    and so do the host tier's ``host_checksums`` when given (else they are the caller's
+    to drop).
 
     Everything but the payload is checked first; the payload is checked block by block.
     """
@@ -296,18 +299,28 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
                     break
     except BlockIdError as e:   # raised before that copy moved a byte
         if copies:   # an earlier one did
-            checksums.written(ids)
+            _dropped(checksums, ids, host, host_checksums)
         if e.side == "destination":
             raise   # our own ids: a local bug, not a transfer to recompute
         raise KVTransferError(f"KV description src_block: {e} (the sender's pool or host "
                               "tier)") from e
     if bad is not None:
-        checksums.written(ids)   # they may hold part of a copy
+        _dropped(checksums, ids, host, host_checksums)   # they may hold part of a copy
         raise KVTransferError(f"KV block {bad} (sender block {src[bad]}): its copy does not "
                               f"match checksum {sums[bad]:#018x}: corrupted or "
                               "overwritten in the sender's pool")
     checksums.stored(ids, sums[~to_host])   # each verified as it landed
+    if host is not None and host_checksums is not None:
+        host_checksums.stored(host.block_ids, sums[to_host])
     return ImportedBlocks(ids.tolist(), d.hashes, d.counts.tolist(), d.summaries(batch))
+
+
+def _dropped(checksums: BlockChecksums, ids: np.ndarray, host: HostRows | None,
+             host_checksums: BlockChecksums | None) -> None:
+    """Forget the checksums of the blocks a failed import may have written part of."""
+    checksums.written(ids)
+    if host is not None and host_checksums is not None:
+        host_checksums.written(host.block_ids)
 
 
 def _rows_in(rows: np.ndarray, first: int, count: int) -> np.ndarray:

@@ -53,15 +53,13 @@ class SegmentHandle:
 
 class SharedSegment:
     """At least ``nbytes`` of zeroed, pre-faulted shared memory owned by this process
-    (``handle.nbytes`` says how many: huge pages round it up). Without ``prefault`` its
-    pages are faulted in as they are first written, on small or transparent huge pages:
-    a large budget that may never fill (a host tier's) costs no memory up front."""
+    (``handle.nbytes`` says how many: huge pages round it up)."""
 
-    def __init__(self, nbytes: int, name: str = "kvpool", prefault: bool = True) -> None:
+    def __init__(self, nbytes: int, name: str = "kvpool") -> None:
         if nbytes <= 0:
             raise ValueError(f"shared segment size: got {nbytes} bytes; expected > 0")
         self.huge_pages = False
-        if prefault and hasattr(os, "MFD_HUGETLB"):
+        if hasattr(os, "MFD_HUGETLB"):
             # hugetlbfs files are whole pages, so the segment grows to the next one (the
             # tail unused)
             whole = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
@@ -76,8 +74,7 @@ class SharedSegment:
             self.fd, self.buffer = _map_new(name, nbytes, 0)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 self.buffer.madvise(mmap.MADV_HUGEPAGE)   # a no-op where shmem THP is off
-            if prefault:
-                _prefault(self.buffer)
+            _prefault(self.buffer)
         self.handle = SegmentHandle(os.getpid(), self.fd, os.fstat(self.fd).st_ino, nbytes)
 
     def close(self) -> None:

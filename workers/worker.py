@@ -225,7 +225,7 @@ class Worker:
         for part in parts:
             ids, host = batch_part(block_ids, whole, first, first + part.num_rows)
             first += part.num_rows
-            sums = self.runner.kv_checksums
+            sums, host_sums = self.runner.kv_checksums, self.runner.host_checksums
             kind = transport_of(part)
             if kind is Transport.SHARED_MEMORY:
                 if sums is None:
@@ -233,7 +233,7 @@ class Worker:
                                      "worker's pool is not in a shared segment (a device "
                                      "pool); plan the object store")
                 imported.append(import_shared(part, self.runner.kv_caches, ids, self.meta,
-                                              self.peers, sums, host))
+                                              self.peers, sums, host, host_sums))
                 continue
             if kind is Transport.DEVICE:
                 if device_rows is None:
@@ -249,8 +249,8 @@ class Worker:
             imported.append(copy() if self.streams is None else self.streams.import_(copy, ids))
             if sums is not None:   # hashed if ever exported again, not on this path
                 sums.written(ids)
-        if host_ids and self.runner.host_checksums is not None:   # the same for these
-            self.runner.host_checksums.written(host_ids)
+            if host is not None and host_sums is not None:
+                host_sums.written(host.block_ids)
         if lc is not None:
             if self.streams is not None:  # the summaries read the imported blocks
                 self.streams.before_step(block_ids)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcache import kv_transport
-from kvcache.block_checksum import block_checksum, copy_verified
+from kvcache.block_checksum import block_checksum, block_checksums, copy_verified
 from kvcache.host_tier import HostKVStore
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import HostRows, KVTransferError, export_blocks, from_ipc_buffer
@@ -144,9 +144,9 @@ def test_rows_from_the_senders_host_tier_arrive_bit_exact(dtype):
     _, dst = shared_pool(meta, 8, seed=13)
     receiver = HostKVStore(KVShape(meta.num_layers, meta.block_size, meta.num_kv_heads,
                                    meta.head_dim, dtype), 4).kv
-    sums = pool_checksums(dst)
+    sums, host_sums = pool_checksums(dst), pool_checksums(list(receiver.unbind(0)))
     got = import_shared(batch, dst, [2, 7, 5], meta, PeerSegments(), sums,
-                        HostRows(1, [3, 1, 0], receiver))
+                        HostRows(1, [3, 1, 0], receiver), host_sums)
     sender_rows = [("pool", 6), ("pool", 1), ("host", 4), ("host", 0), ("host", 2),
                    ("pool", 3)]
     receiver_rows = [("pool", 2), ("host", 3), ("host", 1), ("host", 0), ("pool", 7),
@@ -156,7 +156,9 @@ def test_rows_from_the_senders_host_tier_arrive_bit_exact(dtype):
     for (s_kind, s_id), (d_kind, d_id) in zip(sender_rows, receiver_rows):
         assert_blocks_equal(stores[d_kind]["dst"], [d_id], stores[s_kind]["src"], [s_id])
     assert got.block_ids == [2, 7, 5]
-    assert sums.has([2, 7, 5]).all()   # verified as they landed
+    for store, ids in ((sums, [2, 7, 5]), (host_sums, [3, 1, 0])):   # verified as they landed
+        assert store.has(ids).all()
+        assert (store.of(ids) == block_checksums(store.slabs, ids)).all()
 
 
 def test_a_host_row_changed_after_its_export_is_refused():
