@@ -124,11 +124,10 @@ def _load_directory(directory: Path, dtype: torch.dtype, tokenizer: Tokenizer | 
     config = ModelArchConfig.from_hf_config(config_dict, generation)
     files = weight_files(directory)
     int8 = int8_layout(config_dict.get("quantization_config"))
-    weights = load_weights(files, config, dtype, int8)
+    weights, schemes = load_weights(files, config, dtype, int8)
     tok = tokenizer or _own_tokenizer(directory)
     if tok is not None:
         tok.add_eos_token_ids(config.eos_token_ids)
-    schemes = {n: int8.group_of(n).scheme for n, w in weights.items() if w.dtype == torch.int8}
     return Checkpoint(config=config, weights=weights, tokenizer=tok,
                       fingerprint=fingerprint(config_dict, fingerprint_files or files),
                       path=str(directory), int8_schemes=schemes)

@@ -94,9 +94,11 @@ def expected_weight_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]
 
 
 def load_weights(files: list[Path], config: ModelArchConfig, dtype: torch.dtype,
-                 int8: Int8Layout | None = None) -> dict[str, torch.Tensor]:
-    """The parameters the model needs, in ``dtype``; extra tensors (a tied ``lm_head``,
-    rotary caches) are dropped, missing or misshapen ones are an error.
+                 int8: Int8Layout | None = None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The parameters the model needs, in ``dtype``, and how each int8 weight runs
+    (``w8a8`` or ``w8a16``, by name); extra tensors (a tied ``lm_head``, rotary caches)
+    are dropped, missing or misshapen ones are an error.
 
     ``int8`` (an int8 checkpoint, see ``compressed_tensors``): the decoder layers' linear
     weights in its groups stay int8, with their ``weight_scale`` (packed ones unpacked)."""
@@ -148,7 +150,7 @@ def load_weights(files: list[Path], config: ModelArchConfig, dtype: torch.dtype,
         raise ValueError(f"{where}: weights do not match config.json: {'; '.join(wrong[:5])}")
     for name, (weight, columns) in packed.items():
         weights[weight] = unpack_int8(weights.pop(name), columns)
-    return weights
+    return weights, {n: g.scheme for n, g in groups.items()}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
