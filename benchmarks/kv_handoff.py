@@ -62,15 +62,10 @@ from kvcache.block_checksum import BlockChecksums
 from kvcache.block_pool import BlockPool
 from kvcache.kv_tensors import KVShape, allocate_kv_cache
 from kvcache.kv_transfer import KVLayoutMeta, export_blocks, import_blocks
-from kvcache.kv_transport import (
-    MAX_PART_BYTES,
-    export_shared,
-    import_shared,
-    part_bounds,
-    pool_checksums,
-)
+from kvcache.kv_transport import MAX_PART_BYTES, part_bounds
 from kvcache.native_copy import native_copier
 from kvcache.shm_segment import PeerSegments, SharedSegment
+from kvcache.shm_transport import export_shared, import_shared, pool_checksums
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 STORE_BYTES = 2 << 30

@@ -23,9 +23,9 @@ from kvcache.config import CacheConfig
 from kvcache.kv_layout import LAYOUT_ND
 from kvcache.kv_quant import row_width
 from kvcache.kv_tensors import KVShape, allocate_kv_cache, slot_mapping
-from kvcache.kv_transport import pool_checksums
 from kvcache.long_context import LongContextConfig
 from kvcache.shm_segment import SharedSegment
+from kvcache.shm_transport import pool_checksums
 from scheduler.protocol import (
     ForkedSequence,
     NewSequence,

@@ -33,17 +33,15 @@ from kvcache.kv_transfer import (
 from kvcache.kv_transport import (
     HandoffInfo,
     HandoffPlan,
-    SharedHostRows,
     Transport,
     WorkerPlace,
-    export_shared,
-    import_shared,
     part_bounds,
     transport_of,
 )
 from kvcache.long_context import LongContextConfig
 from kvcache.pool_rows import batch_part
 from kvcache.shm_segment import PeerSegments
+from kvcache.shm_transport import SharedHostRows, export_shared, import_shared
 from scheduler.protocol import Role, StepPlan, decode, encode
 from workers.device import resolve_device
 from workers.kv_streams import transfer_streams

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvcache.block_checksum import block_checksums, copy_verified
-from kvcache.kv_transport import _slab_bytes, pool_checksums
+from kvcache.shm_transport import _slab_bytes, pool_checksums
 from tests.kvcache.test_kv_transfer import make_meta
-from tests.kvcache.test_kv_transport import shared_pool
+from tests.kvcache.test_shm_transport import shared_pool
 
 BLOCKS = 12
 

@@ -19,7 +19,7 @@ from tests.kvcache.test_kv_transfer import (
     seq_blocks,
     snapshot,
 )
-from tests.kvcache.test_kv_transport import DTYPES, shared_pool
+from tests.kvcache.test_shm_transport import DTYPES, shared_pool
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -21,10 +21,10 @@ import torch
 
 from kvcache import native_copy
 from kvcache.block_checksum import BlockIdError, block_checksums, copy_verified
-from kvcache.kv_transport import _slab_bytes
 from kvcache.native_copy import native_copier
+from kvcache.shm_transport import _slab_bytes
 from tests.kvcache.test_kv_transfer import make_meta
-from tests.kvcache.test_kv_transport import shared_pool
+from tests.kvcache.test_shm_transport import shared_pool
 
 REPO = Path(__file__).resolve().parents[2]
 BUILDABLE = platform.machine() == "x86_64" and shutil.which("cc") is not None

@@ -13,7 +13,8 @@ import torch
 from cluster import SamplingParams
 from kvcache.block_checksum import block_checksums
 from kvcache.kv_transfer import KVTransferError
-from kvcache.kv_transport import HandoffPlan, Transport, _slab_bytes, pool_checksums
+from kvcache.kv_transport import HandoffPlan, Transport
+from kvcache.shm_transport import _slab_bytes, pool_checksums
 from scheduler.protocol import ForkedSequence, NewSequence, StepPlan
 from tests.workers.test_sparse_attention import REGIONS, make_llm, prompts
 from tests.workers.test_worker import GREEDY, PROMPT, _step, _worker
