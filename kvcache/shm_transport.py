@@ -92,8 +92,9 @@ def import_shared(batch: pa.RecordBatch, kv_caches: Sequence[torch.Tensor],
     pool_src, host_src = _sender_segments(d.metadata, dst, peers)
     # Each row's destination (this pool, or this host tier) and source (the sender's).
     rows = np.arange(n)
-    to_host = _rows_in(rows, host.first_row, len(host.block_ids)) if host else rows < 0
-    from_host = (_rows_in(rows, *host_src[1]) if host_src is not None else rows < 0)
+    none = np.zeros(n, dtype=bool)
+    to_host = _rows_in(rows, host.first_row, len(host.block_ids)) if host else none
+    from_host = _rows_in(rows, *host_src[1]) if host_src is not None else none
     ids = np.asarray(dst_block_ids, dtype=np.int64)   # the copy checks them, and src's
     dst_ids = np.empty(n, dtype=np.int64)
     dst_ids[~to_host] = ids

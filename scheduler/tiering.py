@@ -83,7 +83,7 @@ class TierPlanner:
         (dense) stops where its first sparse decode step began, and from there each
         token runs again as the sparse decode step it was, one a step, so that its KV is
         written as before and it goes on exactly as an uninterrupted run."""
-        if num_tokens == num_prompt_tokens or self.config.mode(num_tokens) is KVMode.DENSE:
+        if not self._replays(num_tokens, num_prompt_tokens):
             return num_tokens
         return max(self.config.first_sparse_step(num_prompt_tokens), num_computed + 1)
 
@@ -94,13 +94,19 @@ class TierPlanner:
         longer has (``LongContextConfig.selects_at``). Then it takes whole blocks up to
         the last one that ends at a selecting step, or at most up to its first sparse
         step."""
-        if num_tokens == num_prompt_tokens or self.config.mode(num_tokens) is KVMode.DENSE:
+        if not self._replays(num_tokens, num_prompt_tokens):
             return num_cached
         first = self.config.first_sparse_step(num_prompt_tokens)
         bs = self.kv.block_size
         while num_cached > first and not self.config.selects_at(num_cached, num_prompt_tokens):
             num_cached = (num_cached - 1) // bs * bs
         return num_cached
+
+    def _replays(self, num_tokens: int, num_prompt_tokens: int) -> bool:
+        """Whether a computation of a sequence of ``num_tokens`` tokens is a recompute
+        that replays sparse decode steps (not a prompt, nor a dense sequence)."""
+        return (num_tokens != num_prompt_tokens
+                and self.config.mode(num_tokens) is not KVMode.DENSE)
 
     def may_move(self, num_tokens: int, num_prompt_tokens: int) -> bool:
         """Whether a running sequence of ``num_tokens`` tokens may move to another worker
