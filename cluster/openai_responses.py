@@ -120,7 +120,7 @@ class ResponseShaper:
             return reasoning, content, None
         if not done:
             return reasoning, self.tool_parser.streamable_content(content), None
-        split = self.tool_parser.parse(content)
+        split = req.returned_calls(self.tool_parser.parse(content))
         return reasoning, split.content, split
 
     def completion_choice(self, req: CompletionRequest, c: Choice) -> dict[str, Any]:

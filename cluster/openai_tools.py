@@ -2,9 +2,10 @@
 
 ``tools`` reach the chat template (as transformers passes them); ``tool_choice``
 ``required`` or a named function becomes the parser's forcing grammar, and ``none``
-leaves the output as content. An assistant message's ``tool_calls`` carry arguments as
-JSON text (OpenAI's shape); templates expect a dict (transformers' shape), so they are
-decoded here, as vLLM does.
+leaves the output as content. ``parallel_tool_calls: false`` returns only an answer's
+first call, as vLLM does (a forced answer holds one call anyway). An assistant
+message's ``tool_calls`` carry arguments as JSON text (OpenAI's shape); templates expect
+a dict (transformers' shape), so they are decoded here, as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.tool_calls import ToolCallParser
+from cluster.tool_calls import ToolCallParser, ToolCallSplit
 from scheduler.protocol import StructuredOutputsParams
 
 
@@ -68,6 +69,7 @@ class ToolFields(_Strict):
 
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template receives them."""
@@ -76,6 +78,12 @@ class ToolFields(_Strict):
     def calls_expected(self) -> bool:
         """Whether the output is parsed for calls (tools given and not ``none``)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def returned_calls(self, split: ToolCallSplit) -> ToolCallSplit:
+        """The calls an answer returns: all it wrote, or only the first."""
+        if self.parallel_tool_calls or len(split.calls) < 2:
+            return split
+        return ToolCallSplit(split.content, split.calls[:1])
 
     def tool_forcing(self, parser: ToolCallParser) -> StructuredOutputsParams | None:
         """The grammar that ``required`` or a named function asks for; a ``ValueError``

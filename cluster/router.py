@@ -60,8 +60,8 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     """FastAPI's own refusals (unknown path, wrong method) in OpenAI's error shape."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = (f"{request.method} {request.url.path}: {exc.detail}; the API is "
-               "/v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, "
-               "/version, /health, /metrics")
+               "/v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, "
+               "/tokenize, /detokenize, /version, /health, /metrics")
     return JSONResponse(APIError(exc.status_code, message, type=kind).body(),
                         status_code=exc.status_code)
 
@@ -134,6 +134,10 @@ class Router:
     async def models(self, request: Request) -> Response:
         return await self._answer(request, self._models)
 
+    @api.get("/v1/models/{model:path}")
+    async def model(self, model: str, request: Request) -> Response:
+        return await self._answer(request, lambda _: self._model(model))
+
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         return await self._answer(request, self._completions)
@@ -194,12 +198,19 @@ class Router:
                            f"{self.model_name!r} (see GET /v1/models)", type="not_found_error",
                            param="model", code="model_not_found")
 
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "llm-cluster", "root": self.model_root, "parent": None,
+                "max_model_len": self.client.max_model_len,
+                "sampling_defaults": self.sampling_defaults}
+
     async def _models(self, _: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "llm-cluster", "root": self.model_root, "parent": None,
-            "max_model_len": self.client.max_model_len,
-            "sampling_defaults": self.sampling_defaults}]})
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, model: str) -> Response:
+        """OpenAI's "retrieve model": the card ``/v1/models`` lists, by its id."""
+        self._check_model(model)
+        return JSONResponse(self._model_card())
 
     async def _tokenize_endpoint(self, request: Request) -> Response:
         body = await self._body(request)

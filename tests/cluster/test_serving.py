@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from benchmarks.metric_samples import scrape, total
@@ -68,6 +69,14 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def test_models_list(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
+
+
+def test_a_model_is_retrieved_by_its_id(client):
+    listed = client.models.list().data[0]
+    assert client.models.retrieve(MODEL) == listed
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
 
 
 def test_completion_equals_the_offline_engine(client, local_llm):

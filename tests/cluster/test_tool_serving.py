@@ -185,6 +185,38 @@ def test_tool_choice_none_returns_content(client):
     assert isinstance(choice.message.content, str) and choice.message.content
 
 
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+             '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+             '{"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_false_returns_only_the_first_call(client, parallel, stream):
+    """The answer is forced to two known calls (a one-string choice); with
+    ``parallel_tool_calls`` false only the first comes back, whole or streamed."""
+    kwargs = dict(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=96,
+                  parallel_tool_calls=parallel,
+                  extra_body={"structured_outputs": {"choice": [TWO_CALLS]}})
+    if stream:
+        chunks = [c for c in client.chat.completions.create(**kwargs, stream=True)
+                  if c.choices]
+        finish = chunks[-1].choices[0].finish_reason
+        parts = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        names = [p.function.name for p in parts if p.function.name]
+        arguments = ["".join(p.function.arguments or "" for p in parts if p.index == i)
+                     for i in range(len(names))]
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        finish = choice.finish_reason
+        names = [c.function.name for c in choice.message.tool_calls]
+        arguments = [c.function.arguments for c in choice.message.tool_calls]
+    want = [("get_weather", {"city": "Paris", "unit": "celsius"}),
+            ("get_time", {"city": "Paris"})]
+    assert finish == "tool_calls"
+    assert list(zip(names, map(json.loads, arguments))) == (want if parallel else want[:1])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_tiny_qwen_named_choice_forces_that_function(tiny_client, seed):
     reply = tiny_client.chat.completions.create(
