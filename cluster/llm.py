@@ -18,7 +18,9 @@ from tqdm import tqdm
 from cluster.config import EngineConfig, load_config, with_overrides
 from cluster.engine import LocalEngine
 from cluster.openai_protocol import parse_messages
+from cluster.openai_tools import ToolFields
 from cluster.outputs import RequestOutput
+from cluster.tool_calls import ToolCallParser, chat_prompt
 from scheduler.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -100,17 +102,22 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations. ``tools``
+        (OpenAI's shape) are offered in the prompt as the chat endpoint offers them; the
+        output is the model's text, calls unparsed (as vLLM's ``LLM.chat``)."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
+        tool_dicts = ToolFields(tools=tools).tool_dicts()
+        parser = self.config.serving.tool_call_parser
         one = isinstance(messages, str) or (messages and isinstance(messages[0], dict))
         parsed = []
         for conv in [messages] if one else messages:
-            text = tok.apply_chat_template(parse_messages(conv),
-                                           add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+            text = chat_prompt(tok, parse_messages(conv), tool_dicts,
+                               ToolCallParser(parser) if parser else None,
+                               add_generation_prompt, **(chat_template_kwargs or {}))
             parsed.append(self._parse({"prompt": text}, add_special_tokens=False))
         return self._run(parsed, sampling_params, use_tqdm, None)
 

@@ -46,7 +46,7 @@ from cluster.openai_protocol import (
 )
 from cluster.openai_responses import ResponseShaper, sse_event
 from cluster.reasoning import ReasoningParser
-from cluster.tool_calls import ToolCallParser, parser_for_template, template_messages
+from cluster.tool_calls import ToolCallParser, chat_prompt, parser_for_template
 from scheduler.protocol import StructuredOutputsParams
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
@@ -259,12 +259,8 @@ class Router:
             messages = [m.as_template_input(f"messages.{i}") for i, m in enumerate(req.messages)]
         except ValueError as e:
             raise APIError.bad_value(e) from None
-        tools = req.tool_dicts()
-        messages = template_messages(messages, tools, tok.template_for(bool(tools)),
-                                     self.tool_parser)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
-                                           **extra)
+            text = chat_prompt(tok, messages, req.tool_dicts(), self.tool_parser, **extra)
         except Exception as e:   # a template's own refusal, e.g. roles out of order
             raise APIError(400, f"messages: the chat template refused them: {e}",
                            param="messages") from None

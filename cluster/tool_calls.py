@@ -157,6 +157,19 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     return out
 
 
+def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, parser: ToolCallParser | None = None,
+                add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+    """The prompt text of a conversation with ``tools`` offered, as the HTTP chat endpoint
+    and ``LLM.chat`` render it: through ``template_messages`` for a template that renders
+    no tools, with the format ``parser`` writes (else the template's own)."""
+    template = tokenizer.template_for(bool(tools))
+    parser = parser or ToolCallParser(parser_for_template(template))
+    return tokenizer.apply_chat_template(
+        template_messages(messages, tools, template, parser),
+        add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs)
+
+
 def _calls_from(values: list[Any]) -> list[ToolCall] | None:
     """Calls from decoded JSON values, each one call or a list of calls; None if any
     is not."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -86,6 +87,22 @@ def test_chat_answers_and_output_shape(llm):
     assert out.finished and c.finish_reason == "stop"  # ended with <|im_end|>
     assert c.text == llm.get_tokenizer().decode(c.token_ids)
     assert out.prompt_token_ids[:1] == [1]
+
+
+def test_chat_offers_tools_in_a_system_message(llm):
+    """SmolLM2's template renders no tools, so they reach it as a Hermes system message
+    listing each tool's JSON, before the conversation."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    out = llm.chat(question, SamplingParams(temperature=0.0, max_tokens=1), tools=tools)[0]
+    text = llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert text.startswith("<|im_start|>system\n")
+    assert f"<tools>\n{json.dumps(tools[0])}\n</tools>" in text
+    assert text.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="tools.0.function.name"):
+        llm.chat(question, tools=[{"type": "function", "function": {"nam": "f"}}])
 
 
 def test_same_seed_same_text_whatever_the_batch(llm):

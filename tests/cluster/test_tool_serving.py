@@ -254,6 +254,23 @@ def test_tiny_qwen_round_trip_renders_calls_and_results_as_transformers(tiny_cli
     assert answer.usage.prompt_tokens == len(expected)
 
 
+def test_offline_chat_renders_tools_as_transformers(tiny_qwen):
+    """``LLM.chat(tools=...)`` on a template that renders tools: its prompt tokens are
+    transformers' for the same conversation and tools."""
+    import transformers
+
+    from cluster import LLM, SamplingParams
+
+    llm = LLM(config=config_from_dict({"model": {"path": str(tiny_qwen)},
+                                       "cache": {"kv_cache_bytes": 8 << 20}}))
+    out = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=2), tools=TOOLS)[0]
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_qwen)
+    text = hf.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
+                                  tokenize=False)
+    assert out.prompt_token_ids == hf(text, add_special_tokens=False)["input_ids"]
+    assert "<tools>" in text
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
