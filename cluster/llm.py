@@ -21,6 +21,7 @@ from cluster.openai_protocol import parse_messages
 from cluster.openai_tools import ToolFields
 from cluster.outputs import RequestOutput
 from cluster.tool_calls import ToolCallParser, chat_prompt
+from cluster.vllm_args import LLM_FLAGS
 from scheduler.protocol import SamplingParams
 from workers.tokenizer import Tokenizer
 
@@ -40,21 +41,31 @@ def _start_engine(config: EngineConfig) -> LocalEngine | ClusterEngine:
 
 PromptInput = str | dict[str, Any] | Sequence[int]
 
-# LLM keyword -> (config section, field)
+# LLM keywords beyond vLLM's flags (``vllm_args.LLM_FLAGS``) -> (config section, field)
 _OVERRIDES = {
     "model": ("model", "path"), "tokenizer": ("model", "tokenizer"),
-    "dtype": ("model", "dtype"), "device": ("model", "device"), "seed": ("model", "seed"),
-    "ops": ("model", "ops"), "quantization": ("model", "quantization"),
-    "enforce_eager": ("model", "enforce_eager"),
-    "block_size": ("cache", "block_size"), "kv_cache_bytes": ("cache", "kv_cache_bytes"),
-    "kv_cache_dtype": ("cache", "kv_dtype"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "max_model_len": ("scheduler", "max_model_len"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "device": ("model", "device"), "ops": ("model", "ops"),
+    "kv_cache_bytes": ("cache", "kv_cache_bytes"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "scheduling_policy": ("scheduler", "policy"),
 }
+
+
+def engine_config(model: str | None, config: str | Path | EngineConfig | None,
+                  kwargs: dict[str, Any]) -> EngineConfig:
+    """The config an ``LLM(model, config=config, **kwargs)`` runs (see ``LLM``)."""
+    unknown = sorted(set(kwargs) - set(_OVERRIDES) - set(LLM_FLAGS))
+    if unknown:
+        allowed = ", ".join(["model", "config", *sorted({*_OVERRIDES, *LLM_FLAGS} - {"model"})])
+        raise TypeError(f"LLM got unknown argument(s) {', '.join(unknown)}; "
+                        f"allowed: {allowed}")
+    base = config if isinstance(config, EngineConfig) else load_config(config)
+    if model is not None:
+        kwargs = {**kwargs, "model": model}
+    overrides = {_OVERRIDES[k]: v for k, v in kwargs.items() if k in _OVERRIDES}
+    for key in kwargs.keys() & LLM_FLAGS.keys():
+        overrides.update(LLM_FLAGS[key].overrides(kwargs[key]))
+    return with_overrides(base, overrides)
 
 
 class LLM:
@@ -62,20 +73,11 @@ class LLM:
                  **kwargs: Any) -> None:
         """``model``: an HF checkpoint directory or a GGUF file (None: the embedded
         SmolLM2-135M-Instruct). ``config``: a YAML file or ``EngineConfig``; keyword
-        arguments (``dtype``, ``device``, ``seed``, ``block_size``, ``kv_cache_bytes``,
-        ``enable_prefix_caching``, ``max_model_len``, ``max_num_seqs``,
-        ``max_num_batched_tokens``, ``enable_chunked_prefill``, ``scheduling_policy``,
-        ``tokenizer``, ``kv_cache_dtype``, ``ops``, ``quantization``, ``enforce_eager``)
-        override it."""
-        unknown = sorted(set(kwargs) - set(_OVERRIDES))
-        if unknown:
-            allowed = ", ".join(["model", "config", *(k for k in _OVERRIDES if k != "model")])
-            raise TypeError(f"LLM got unknown argument(s) {', '.join(unknown)}; "
-                            f"allowed: {allowed}")
-        base = config if isinstance(config, EngineConfig) else load_config(config)
-        if model is not None:
-            kwargs["model"] = model
-        self.config = with_overrides(base, {_OVERRIDES[k]: v for k, v in kwargs.items()})
+        arguments override it: vLLM's (``dtype``, ``seed``, ``max_model_len``,
+        ``gpu_memory_utilization``, ... as ``serve``'s flags take them, vLLM's value
+        spellings included) and ``tokenizer``, ``device``, ``ops``, ``kv_cache_bytes``,
+        ``enable_chunked_prefill``, ``scheduling_policy``."""
+        self.config = engine_config(model, config, kwargs)
         self.engine: LocalEngine | ClusterEngine = _start_engine(self.config)
         self._ids = itertools.count()
 

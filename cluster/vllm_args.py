@@ -1,9 +1,10 @@
-"""vLLM's ``serve`` flags for the settings we share, generated from the config schema.
+"""vLLM's ``serve`` flags for the settings we share, generated from the config schema,
+and the same settings as ``LLM`` keywords (``--max-model-len`` is ``max_model_len``).
 
 Each flag names only a config field (and what vLLM calls it); its type, its default
 and the values it allows come from that field's dataclass and its validation, so the
-command line and the YAML never drift apart: a flag sets exactly what the same field
-in the config file would, with the same checks and error messages.
+command line, the ``LLM`` keywords and the YAML never drift apart: a flag sets exactly
+what the same field in the config file would, with the same checks and error messages.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ class ConfigFlag:
     @property
     def dest(self) -> str:
         return f"config.{self.section}.{self.name}"
+
+    @property
+    def keyword(self) -> str:
+        """The flag as vLLM's ``LLM`` keyword: ``--max-model-len`` is ``max_model_len``."""
+        return self.flags[0].removeprefix("--").replace("-", "_")
+
+    def overrides(self, given: Any) -> dict[tuple[str, str], Any]:
+        """What ``given`` sets: the field, with vLLM's spelling of the value mapped to
+        ours; nothing for a ``keep`` value."""
+        if given in self.keep:
+            return {}
+        return {(self.section, self.name): self.aliases.get(given, given)}
 
 
 SERVE_FLAGS = (
@@ -115,7 +128,11 @@ def config_overrides(args: argparse.Namespace, flags: tuple[ConfigFlag, ...] = S
     out: dict[tuple[str, str], Any] = {}
     for flag in flags:
         value = getattr(args, flag.dest)
-        if value is None or value in flag.keep:
-            continue
-        out[(flag.section, flag.name)] = flag.aliases.get(value, value)
+        if value is not None:
+            out.update(flag.overrides(value))
     return out
+
+
+# The engine settings among the flags: the offline ``LLM`` takes these as keywords
+# (the serving section's flags belong to the HTTP server alone).
+LLM_FLAGS = {flag.keyword: flag for flag in SERVE_FLAGS if flag.section != "serving"}

@@ -15,6 +15,7 @@ from benchmarks.metric_samples import parse
 from cluster import metrics
 from cluster.cli import build_parser, main
 from cluster.config import ConfigError, config_from_dict, load_config, with_overrides
+from cluster.llm import engine_config
 from cluster.openai_protocol import (
     APIError,
     ChatCompletionRequest,
@@ -22,7 +23,7 @@ from cluster.openai_protocol import (
     parse_logit_bias,
     parse_request,
 )
-from cluster.vllm_args import SERVE_FLAGS, config_overrides, field_type
+from cluster.vllm_args import LLM_FLAGS, SERVE_FLAGS, config_overrides, field_type
 from scheduler.protocol import NewSequence, Role, SamplingParams, decode, encode
 from scheduler.serving_stats import RequestTimes, ServingStats
 from scheduler.stats import CellStats, TransferStats, WorkerReport, WorkerState
@@ -117,6 +118,30 @@ def test_each_vllm_flag_sets_its_config_field(flag):
     assert getattr(getattr(config, section), name) == expected
     assert getattr(getattr(_serve_config(), section), name) == \
         getattr(getattr(load_config(None), section), name)   # not given: the config's
+
+
+@pytest.mark.parametrize("flag", LLM_FLAGS.values(), ids=lambda f: f.keyword)
+def test_each_llm_keyword_sets_what_its_serve_flag_sets(flag):
+    """``LLM(max_model_len=...)`` as ``serve --max-model-len``, vLLM's value spellings
+    (``dtype="half"``) included."""
+    section, name = flag.section, flag.name
+    tp = field_type(section, name)
+    cases = [(True, flag.flags[0]), (False, "--no-" + flag.flags[0][2:])] if tp is bool \
+        else [(tp(FLAG_VALUES[flag.flags[0]][0]), flag.flags[0], FLAG_VALUES[flag.flags[0]][0])]
+    for value, *argv in cases:
+        got = engine_config(None, None, {flag.keyword: value})
+        assert getattr(getattr(got, section), name) == \
+            getattr(getattr(_serve_config(*argv), section), name)
+
+
+def test_llm_keywords_keep_a_keep_value_and_refuse_unknown_ones():
+    assert engine_config(None, None, {"dtype": "auto"}).model.dtype == \
+        load_config(None).model.dtype
+    with pytest.raises(TypeError, match="trust_remote_code; allowed: model, config, "
+                                        "block_size"):
+        engine_config(None, None, {"trust_remote_code": True})
+    with pytest.raises(ConfigError, match="cache.memory_fraction: got 1.5"):
+        engine_config(None, None, {"gpu_memory_utilization": 1.5})
 
 
 def test_flags_take_their_type_from_the_schema_and_every_flag_is_tested():
