@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
+import tokenizers
 import torch
 
 from scheduler.protocol import StructuredOutputsParams
@@ -39,7 +40,32 @@ def _grammar_cached(kind: str, text: str) -> str:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error and not error.startswith("WARNING"):
         raise ValueError(error)
+    _check_some_text_matches(grammar)
     return grammar
+
+
+def _check_some_text_matches(grammar: str) -> None:
+    """Refuse a grammar that no text can start (``start: start``, a schema that only
+    refers to itself): a sequence under it could only end at once, empty. llguidance
+    finds out at the first mask, so one is computed over a vocabulary of the 256 bytes,
+    where every text is spelt."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    matcher.compute_bitmask()
+    if matcher.is_error():   # its error is a parser state dump, too long to show
+        raise ValueError("no text matches it: its start can never produce a first "
+                         "character")
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)} | {"<eos>": len(alphabet)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=len(vocab),
+                                  eos_token=len(alphabet))
 
 
 def grammar_for(spec: StructuredOutputsParams) -> str:

@@ -120,6 +120,25 @@ def test_spec_survives_the_wire_and_bad_specs_are_refused():
         grammar_for(StructuredOutputsParams(json="{not json"))
 
 
+@pytest.mark.parametrize("spec", [
+    StructuredOutputsParams(grammar="start: start"),
+    StructuredOutputsParams(grammar="start: a\na: b\nb: a"),
+    StructuredOutputsParams(json={"$ref": "#"})])
+def test_a_grammar_that_no_text_can_start_is_refused(spec):
+    """Before, such a sequence got a mask with no token and ended at once, empty, as if
+    its text had matched."""
+    with pytest.raises(ValueError, match="cannot be compiled .no text matches it"):
+        grammar_for(spec)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputsParams(grammar='start: ""'), StructuredOutputsParams(regex="a*"),
+    StructuredOutputsParams(grammar='start: x\nx: "a" x')])
+def test_a_grammar_some_text_starts_is_kept(spec):
+    """The empty text, or a text that only grows, still starts: nothing to refuse."""
+    assert grammar_for(spec)
+
+
 @pytest.fixture(scope="module")
 def llm():
     from cluster.llm import LLM
