@@ -47,7 +47,6 @@ _OVERRIDES = {
     "device": ("model", "device"), "ops": ("model", "ops"),
     "kv_cache_bytes": ("cache", "kv_cache_bytes"),
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
-    "scheduling_policy": ("scheduler", "policy"),
 }
 
 
@@ -76,7 +75,7 @@ class LLM:
         arguments override it: vLLM's (``dtype``, ``seed``, ``max_model_len``,
         ``gpu_memory_utilization``, ... as ``serve``'s flags take them, vLLM's value
         spellings included) and ``tokenizer``, ``device``, ``ops``, ``kv_cache_bytes``,
-        ``enable_chunked_prefill``, ``scheduling_policy``."""
+        ``enable_chunked_prefill``."""
         self.config = engine_config(model, config, kwargs)
         self.engine: LocalEngine | ClusterEngine = _start_engine(self.config)
         self._ids = itertools.count()

@@ -128,13 +128,14 @@ def make_choices(req: Any, prompts: list[tuple[str | None, list[int]]],
     return choices
 
 
-async def open_all(client: ClusterClient, request_id: str, choices: list[Choice]) -> None:
+async def open_all(client: ClusterClient, request_id: str, choices: list[Choice],
+                   priority: int = 0) -> None:
     """Open every choice's stream, or none: a refusal closes those already open. A
     cancellation (the client went away) stays one, not a failure of the server."""
     try:
         for c in choices:
             c.stream = await client.open_stream(
-                c.prompt_ids, c.params, c.prompt, f"{request_id}-{c.index}",
+                c.prompt_ids, c.params, c.prompt, f"{request_id}-{c.index}", priority,
                 sample_index=c.sample_index)
     except BaseException as e:
         await close_all(choices)

@@ -86,6 +86,7 @@ class _SamplingFields(StructuredFields):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
+    priority: int = 0
 
     @property
     def wanted_prompt_logprobs(self) -> int | None:

@@ -301,7 +301,7 @@ class Router:
                        chunk: Callable[..., list[dict[str, Any]]],
                        final: Callable[[Any, Choice], dict[str, Any]]) -> Response:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
-        await open_all(self.client, request_id, choices)
+        await open_all(self.client, request_id, choices, req.priority)
         kind = "chat.completion" if prefix == "chatcmpl" else "text_completion"
         headers = {REQUEST_ID_HEADER: request_id}
         if req.stream:

@@ -86,6 +86,8 @@ SERVE_FLAGS = (
     ConfigFlag(("--chat-template",), "model", "chat_template",
                "a Jinja file, or the template text, replacing the checkpoint's"),
     ConfigFlag(("--seed",), "model", "seed", "the engine's random seed"),
+    ConfigFlag(("--scheduling-policy",), "scheduler", "policy",
+               "fcfs, or priority: requests' priority field orders the queue, lower first"),
 )
 
 

@@ -73,6 +73,7 @@ class BatchScheduler:
                              "request of several choices starts at choice 0")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.config.check_priority(priority)
         n = len(prompt_token_ids)
         if n == 0 or n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; it must have at least 1 and fewer than "

@@ -35,6 +35,16 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: got {self.policy!r}; allowed: {', '.join(POLICIES)}")
 
+    def check_priority(self, priority: int) -> None:
+        """A request's priority orders the waiting queue (lower first) and picks whom
+        to preempt only under ``policy: priority``; under ``fcfs`` any priority but 0 is
+        refused rather than ignored, as vLLM refuses it."""
+        if priority and self.policy != "priority":
+            raise ValueError(f"priority: got {priority}; this server schedules first come, "
+                             "first served (scheduler.policy: fcfs); leave priority out, or "
+                             "start it with scheduler.policy: priority "
+                             "(--scheduling-policy priority)")
+
 
 @dataclass
 class CellConfig:

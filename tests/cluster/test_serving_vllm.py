@@ -162,6 +162,17 @@ def test_logit_bias_out_of_the_vocabulary_is_400(server):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias"
 
 
+def test_a_priority_under_fcfs_is_400_naming_it(server):
+    """The scheduler refuses it (it would be ignored); ``serve --scheduling-policy
+    priority`` takes it (``test_serve_applies_vllm_flags``)."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    reply = _post(f"{server}/v1/completions", {**body, "priority": 3})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "priority"
+    assert "scheduler.policy: priority" in reply.json()["error"]["message"]
+    assert _post(f"{server}/v1/completions", {**body, "priority": 0}).status_code == 200
+
+
 def test_best_of_returns_the_sample_with_the_highest_cumulative_logprob(client):
     """Oracle: the same seeded samples asked for as ``n`` with their logprobs, ranked by
     the test's own sum of their token logprobs."""
@@ -266,7 +277,8 @@ def test_version(server):
 def test_serve_applies_vllm_flags(tmp_path, free_ports):
     """Each setting read back from the running server: the model id and context length
     from /v1/models, the key from a 401, the chat template from /tokenize, the block size
-    and KV dtype from the pool's block count, prefix caching from its hit counter."""
+    and KV dtype from the pool's block count, prefix caching from its hit counter, the
+    scheduling policy from a request with a priority that fcfs would refuse."""
     from workers.loading import load_checkpoint
 
     (port,) = free_ports(1)
@@ -280,7 +292,8 @@ def test_serve_applies_vllm_flags(tmp_path, free_ports):
            "--block-size", "32", "--kv-cache-dtype", "float16", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--seed", "3",
            "--dtype", "float", "--api-key", "k3y", "--generation-config", "vllm",
-           "--gpu-memory-utilization", "0.5", "--chat-template", str(template)]
+           "--gpu-memory-utilization", "0.5", "--chat-template", str(template),
+           "--scheduling-policy", "priority"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
@@ -305,9 +318,10 @@ def test_serve_applies_vllm_flags(tmp_path, free_ports):
         block_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim \
             * 32 * 2   # K and V, fp16, 32 tokens a block
         prompt = "The quick brown fox jumps over the lazy dog. " * 8
-        for _ in range(2):
+        for priority in (0, -2):   # fcfs would refuse -2
             resp = httpx.post(f"{url}/v1/completions", headers=auth, timeout=_TIMEOUT_S,
-                              json={"model": "vllm-style", "prompt": prompt, "max_tokens": 2})
+                              json={"model": "vllm-style", "prompt": prompt, "max_tokens": 2,
+                                    "priority": priority})
             assert resp.status_code == 200, resp.text
 
         def free_blocks(samples: Samples) -> list[float]:

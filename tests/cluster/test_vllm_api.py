@@ -96,7 +96,7 @@ FLAG_VALUES = {   # flag -> (argument, the config value it must give)
     "--gpu-memory-utilization": ("0.5", 0.5), "--dtype": ("half", "float16"),
     "--chat-template": ("{{ messages[0]['content'] }}", "{{ messages[0]['content'] }}"),
     "--seed": ("11", 11), "--reasoning-parser": ("qwen3", "qwen3"),
-    "--quantization": ("w8a16", "w8a16"),
+    "--quantization": ("w8a16", "w8a16"), "--scheduling-policy": ("priority", "priority"),
 }
 
 

@@ -186,6 +186,16 @@ def test_priority_admits_urgent_first_and_preempts_the_least_urgent():
     assert preempted[0] == "low"
 
 
+def test_fcfs_refuses_a_priority_rather_than_ignoring_it():
+    sched, _ = make(8)
+    with pytest.raises(ValueError, match="priority: got 3; .*scheduler.policy: priority"):
+        sched.add("p", [5, 6], SamplingParams(max_tokens=2), priority=3)
+    assert "p" not in sched.requests
+    sched.add("zero", [5, 6], SamplingParams(max_tokens=2), priority=0)
+    by_priority, _ = make(8, policy="priority")
+    by_priority.add("p", [5, 6], SamplingParams(max_tokens=2), priority=-3)
+
+
 def test_stop_token_and_eos_finish_with_reason():
     sched, worker = make(100)
     prompt = [5, 6, 7]

@@ -67,8 +67,10 @@ class TieringMachine(RuleBasedStateMachine):
         # n = 2 only below the offload boundary (test_fork_after_a_one_token_last_chunk).
         rid = f"r{self.next_id}"
         self.next_id += 1
+        by_priority = self.d.sched.config.policy == "priority"   # fcfs refuses one
         self.d.sched.add(rid, prompt(n, family),
-                         sampling(max_tokens, 2 if two and n < OFFLOAD_B else 1), priority)
+                         sampling(max_tokens, 2 if two and n < OFFLOAD_B else 1),
+                         priority if by_priority else 0)
         self.d.all_ids.add(rid)
 
     @precondition(lambda self: hasattr(self, "d"))
