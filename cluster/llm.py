@@ -103,11 +103,14 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              *, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations. ``tools``
         (OpenAI's shape) are offered in the prompt as the chat endpoint offers them; the
-        output is the model's text, calls unparsed (as vLLM's ``LLM.chat``)."""
+        output is the model's text, calls unparsed (as vLLM's ``LLM.chat``).
+        ``continue_final_message`` (with ``add_generation_prompt=False``): the model goes
+        on with the last message, an assistant reply begun by the caller."""
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
@@ -118,7 +121,9 @@ class LLM:
         for conv in [messages] if one else messages:
             text = chat_prompt(tok, parse_messages(conv), tool_dicts,
                                ToolCallParser(parser) if parser else None,
-                               add_generation_prompt, **(chat_template_kwargs or {}))
+                               add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               **(chat_template_kwargs or {}))
             parsed.append(self._parse({"prompt": text}, add_special_tokens=False))
         return self._run(parsed, sampling_params, use_tqdm, None)
 

@@ -199,6 +199,8 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @property
     def output_limit(self) -> int | None:

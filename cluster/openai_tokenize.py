@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.openai_protocol import APIError, ChatMessage
+from cluster.tool_calls import ToolCallParser, chat_prompt
 from workers.tokenizer import Tokenizer
 
 PACKAGE = "ray-llm-cluster"
@@ -33,6 +34,7 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
 
@@ -54,17 +56,30 @@ def tokenize(tokenizer: Tokenizer | None, req: BaseModel, max_model_len: int
     """vLLM's ``/tokenize`` answer: the ids, their count and the context length."""
     tok = _need(tokenizer)
     if isinstance(req, TokenizeChatRequest):
-        try:
-            text = tok.apply_chat_template([m.as_template_input() for m in req.messages],
-                                           add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:   # a template's own refusal, e.g. roles out of order
-            raise APIError(400, f"messages: the chat template refused them: {e}",
-                           param="messages") from None
+        text = chat_text(tok, [m.as_template_input() for m in req.messages], None, None,
+                         req.add_generation_prompt, req.continue_final_message)
     else:
         text = req.prompt
     ids = tok.encode(text, add_special_tokens=req.add_special_tokens)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+def chat_text(tok: Tokenizer, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None, parser: ToolCallParser | None,
+              add_generation_prompt: bool, continue_final_message: bool,
+              template_kwargs: dict[str, Any] | None = None) -> str:
+    """A chat request's prompt text (``tool_calls.chat_prompt``); a refusal is a 400
+    naming the request field at fault, ``messages`` for the template's own."""
+    try:
+        return chat_prompt(tok, messages, tools, parser, add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           **(template_kwargs or {}))
+    except Exception as e:   # a template's own refusal, e.g. roles out of order
+        if str(e).startswith("continue_final_message:"):
+            raise APIError.bad_value(e) from None
+        raise APIError(400, f"messages: the chat template refused them: {e}",
+                       param="messages") from None
 
 
 def detokenize(tokenizer: Tokenizer | None, req: DetokenizeRequest, vocab_size: int

@@ -46,7 +46,7 @@ from cluster.openai_protocol import (
 )
 from cluster.openai_responses import ResponseShaper, sse_event
 from cluster.reasoning import ReasoningParser
-from cluster.tool_calls import ToolCallParser, chat_prompt, parser_for_template
+from cluster.tool_calls import ToolCallParser, parser_for_template
 from scheduler.protocol import StructuredOutputsParams
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
@@ -251,7 +251,8 @@ class Router:
             raise APIError(400, "this model has no tokenizer, so it has no chat template; "
                            "use /v1/completions with token ids", param="messages")
         extra = req.chat_template_kwargs or {}
-        clash = sorted(set(extra) & {"messages", "add_generation_prompt", "tools"})
+        clash = sorted(set(extra) & {"messages", "add_generation_prompt", "tools",
+                                     "continue_final_message"})
         if clash:
             raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set "
                            "here; use the request's own fields", param="chat_template_kwargs")
@@ -259,11 +260,9 @@ class Router:
             messages = [m.as_template_input(f"messages.{i}") for i, m in enumerate(req.messages)]
         except ValueError as e:
             raise APIError.bad_value(e) from None
-        try:
-            text = chat_prompt(tok, messages, req.tool_dicts(), self.tool_parser, **extra)
-        except Exception as e:   # a template's own refusal, e.g. roles out of order
-            raise APIError(400, f"messages: the chat template refused them: {e}",
-                           param="messages") from None
+        text = openai_tokenize.chat_text(tok, messages, req.tool_dicts(), self.tool_parser,
+                                         req.add_generation_prompt,
+                                         req.continue_final_message, extra)
         prompt = self._tokenize(text, add_special_tokens=False, param="messages")
         top = req.top_logprobs
         if top is not None and not req.logprobs:

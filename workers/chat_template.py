@@ -97,6 +97,7 @@ def _compile(template: str) -> jinja2.Template:
 
 def render_chat_template(template: str | None, messages: list[dict[str, Any]], *,
                          add_generation_prompt: bool = True,
+                         continue_final_message: bool = False,
                          tools: list[dict[str, Any]] | None = None,
                          special_tokens: Mapping[str, str] | None = None,
                          **kwargs: Any) -> str:
@@ -104,7 +105,14 @@ def render_chat_template(template: str | None, messages: list[dict[str, Any]], *
 
     ``special_tokens`` (``bos_token``, ``eos_token``, ...) are visible to the template
     as variables; ``kwargs`` override them, as in transformers.
+    ``continue_final_message``: the text stops right after the last message's content,
+    before whatever closes its turn, so the model goes on with that message (an
+    assistant reply begun by the caller), as transformers does it.
     """
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be true with add_generation_prompt "
+                         "true (a reply is either continued or begun); set "
+                         "add_generation_prompt to false")
     if not template:
         raise ValueError(
             "this model has no chat template; format the prompt yourself (completions API) "
@@ -115,11 +123,26 @@ def render_chat_template(template: str | None, messages: list[dict[str, Any]], *
         raise ValueError(f"tools must be a list of JSON-schema dicts, got {tools!r:.200}")
     variables = {**(special_tokens or {}), **kwargs}
     try:
-        return _compile(template).render(
+        text = _compile(template).render(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
             **variables)
     except jinja2.TemplateError as exc:
         raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    return _cut_after_final(text, messages[-1]) if continue_final_message else text
+
+
+def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
+    """``text`` up to the end of the last occurrence of the final message's content, or
+    of that content stripped, which templates often render."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted)
+        if at >= 0:
+            return text[:at + len(wanted)]
+    raise ValueError("continue_final_message: the chat template does not render the last "
+                     "message's content as given, so it cannot be continued")
 
 
 def load_chat_template(value: str) -> str:

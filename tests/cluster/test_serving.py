@@ -98,6 +98,31 @@ def test_chat_completion_equals_the_offline_engine(client, local_llm):
     assert got.choices[0].message.role == "assistant"
 
 
+def test_chat_continues_a_begun_assistant_reply_as_offline(server, client, local_llm):
+    """``continue_final_message``: the prompt stops inside the assistant's message (no
+    end of turn: /tokenize gives the same ids as the text cut there) and the answer goes
+    on from it, the offline engine's text."""
+    begun = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    got = client.chat.completions.create(model=MODEL, messages=begun, max_tokens=8,
+                                         temperature=0, extra_body=extra)
+    want = local_llm.chat(begun, _greedy(8), add_generation_prompt=False,
+                          continue_final_message=True)[0]
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert want.outputs[0].text.startswith(" Paris")
+    tok = local_llm.get_tokenizer()
+    whole = tok.apply_chat_template(begun, add_generation_prompt=False)
+    cut = whole[:whole.rindex("The capital of France is") + len("The capital of France is")]
+    assert want.prompt_token_ids == tok.encode(cut, add_special_tokens=False)
+    ids = httpx.post(f"{server}/tokenize", json={"messages": begun, **extra},
+                     timeout=60).json()["tokens"]
+    assert ids == want.prompt_token_ids
+    both = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": begun, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == \
+        "continue_final_message"
+
+
 def test_streaming_chat_concatenates_to_the_same_text(client, local_llm):
     stream = client.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=32, temperature=0, stream=True,

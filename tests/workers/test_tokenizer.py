@@ -257,6 +257,31 @@ def test_render_matches_transformers(template, add_generation_prompt):
                                     special_tokens=special, **kwargs) == expected
 
 
+@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("final", ["ok", "  Sure, here is "])
+def test_continue_final_message_matches_transformers(template, final):
+    """The text ends inside the last message, where transformers ends it."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    messages = [*MESSAGES[:-1], {"role": "assistant", "content": final}]
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    (expected,), _ = render_jinja_template([messages], chat_template=template,
+                                           continue_final_message=True, **special)
+    assert render_chat_template(template, messages, add_generation_prompt=False,
+                                continue_final_message=True,
+                                special_tokens=special) == expected
+
+
+def test_continue_final_message_refusals_name_the_field():
+    with pytest.raises(ValueError, match="continue_final_message: cannot be true with "
+                                         "add_generation_prompt"):
+        render_chat_template(CHATML, MESSAGES, continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message: the chat template does "
+                                         "not render"):
+        render_chat_template("{{ 'x' }}", MESSAGES, add_generation_prompt=False,
+                             continue_final_message=True)
+
+
 def test_render_errors_are_value_errors():
     with pytest.raises(ValueError, match="no chat template"):
         render_chat_template(None, MESSAGES)
