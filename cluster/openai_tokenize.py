@@ -51,12 +51,13 @@ def tokenize_request_type(body: Any) -> type[BaseModel]:
         else TokenizeCompletionRequest
 
 
-def tokenize(tokenizer: Tokenizer | None, req: BaseModel, max_model_len: int
-             ) -> dict[str, Any]:
-    """vLLM's ``/tokenize`` answer: the ids, their count and the context length."""
+def tokenize(tokenizer: Tokenizer | None, req: BaseModel, max_model_len: int,
+             parser: ToolCallParser | None = None) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` answer: the ids, their count and the context length; chat
+    messages as the chat endpoint renders them (``parser``: the server's call format)."""
     tok = _need(tokenizer)
     if isinstance(req, TokenizeChatRequest):
-        text = chat_text(tok, [m.as_template_input() for m in req.messages], None, None,
+        text = chat_text(tok, [m.as_template_input() for m in req.messages], None, parser,
                          req.add_generation_prompt, req.continue_final_message)
     else:
         text = req.prompt

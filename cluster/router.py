@@ -218,7 +218,8 @@ class Router:
         if req.model is not None:
             self._check_model(req.model)
         return JSONResponse(openai_tokenize.tokenize(self.client.tokenizer, req,
-                                                     self.client.max_model_len))
+                                                     self.client.max_model_len,
+                                                     self.tool_parser))
 
     async def _detokenize_endpoint(self, request: Request) -> Response:
         req: openai_tokenize.DetokenizeRequest = parse_request(

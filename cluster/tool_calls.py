@@ -15,9 +15,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.protocol import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from workers.tokenizer import Tokenizer
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
@@ -157,7 +160,7 @@ def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]
     return out
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, Any]],
+def chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None, parser: ToolCallParser | None = None,
                 add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
     """The prompt text of a conversation with ``tools`` offered, as the HTTP chat endpoint
