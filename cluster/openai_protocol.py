@@ -10,6 +10,7 @@ is an ``APIError`` that the router renders as ``{"error": {"message", "type", "p
 from __future__ import annotations
 
 import time
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import KW_ONLY, dataclass
 from typing import Annotated, Any, Literal
@@ -210,9 +211,15 @@ class ChatCompletionRequest(ToolFields, _SamplingFields):
 
 def parse_request(model: type[BaseModel], body: Any) -> Any:
     """Validate a decoded JSON body; fields the model does not declare are a 400 naming
-    them all, any other problem a 400 naming its field."""
+    them all, any other problem a 400 naming its field.
+
+    OpenAI's optional fields are nullable, null meaning "not given", and clients send it
+    for options they leave unset: a null for a field that takes no None here (or that
+    this server does not have) is dropped, so the field keeps its default. A field that
+    takes None (``max_tokens``: no limit but the context) keeps the null."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object; got {type(body).__name__}")
+    body = {k: v for k, v in body.items() if v is not None or _takes_none(model, k)}
     unknown = sorted(set(body) - set(model.model_fields))
     if unknown:
         names = ", ".join(unknown)
@@ -224,6 +231,11 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
     except ValidationError as e:
         param, message = _problem_shown(e)
         raise APIError(400, message, param=param or None) from None
+
+
+def _takes_none(model: type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    return field is not None and type(None) in typing.get_args(field.annotation)
 
 
 _MESSAGES = TypeAdapter(list[ChatMessage])

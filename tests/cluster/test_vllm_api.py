@@ -44,6 +44,23 @@ def test_unknown_fields_are_400_naming_every_one(model, body):
     parse_request(model, body)   # the same body without them is fine
 
 
+@pytest.mark.parametrize("model, body", [
+    (CompletionRequest, {"model": "m", "prompt": "hi"}), (ChatCompletionRequest, CHAT)])
+def test_a_null_is_a_field_not_given(model, body):
+    """Every optional field sent as null (as clients send unset options) parses as if
+    left out, defaults and the set of given fields alike, unknown ones included; a field
+    whose null means something (max_tokens: no limit) keeps it."""
+    nulls = {name: None for name in model.model_fields if name not in body}
+    got = parse_request(model, {**body, **nulls, "service_tier": None})
+    want = parse_request(model, body)
+    assert got.model_dump() == {**want.model_dump(), "max_tokens": None}
+    # not given: so the model's sampling defaults apply to them, as when left out
+    assert not got.model_fields_set & {"n", "temperature", "top_p", "top_k", "stream",
+                                       "presence_penalty", "frequency_penalty", "priority"}
+    assert got.max_tokens is None and want.max_tokens == (16 if model is CompletionRequest
+                                                          else None)
+
+
 def test_logit_bias_is_parsed_and_checked():
     assert parse_logit_bias({"5": 100, "17": -2.5}) == {5: 100.0, 17: -2.5}
     for bad in ({"x": 1.0}, {"-3": 1.0}, {"5": 100.5}):
