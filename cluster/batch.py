@@ -39,6 +39,7 @@ from cluster.config import ClusterConfig, EngineConfig, load_config, with_defaul
 from cluster.llm import LLM
 from cluster.openai_protocol import parse_messages
 from cluster.outputs import RequestOutput
+from cluster.tool_calls import chat_prompt
 from scheduler.protocol import SamplingParams, StructuredOutputsParams, shown
 
 log = logging.getLogger(__name__)
@@ -209,7 +210,7 @@ def _chat_text(llm: LLM, messages: Any) -> str:
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so it has no chat template; give "
                          "'prompt' instead of 'messages'")
-    return tokenizer.apply_chat_template(parse_messages(messages), add_generation_prompt=True)
+    return chat_prompt(tokenizer, parse_messages(messages), None, llm.tool_call_parser)
 
 
 def _result(row: InputRow, out: RequestOutput) -> ResultRow:

@@ -88,6 +88,14 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 
+    @property
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """The tool-call format ``serving.tool_call_parser`` names (None: the chat
+        template's), in which earlier calls in a conversation are written for a template
+        that renders none."""
+        name = self.config.serving.tool_call_parser
+        return ToolCallParser(name) if name else None
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use when given no ``SamplingParams``: the
         model's generation config (see ``model.generation_config``) over vLLM's defaults."""
@@ -115,12 +123,10 @@ class LLM:
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         tool_dicts = ToolFields(tools=tools).tool_dicts()
-        parser = self.config.serving.tool_call_parser
         one = isinstance(messages, str) or (messages and isinstance(messages[0], dict))
         parsed = []
         for conv in [messages] if one else messages:
-            text = chat_prompt(tok, parse_messages(conv), tool_dicts,
-                               ToolCallParser(parser) if parser else None,
+            text = chat_prompt(tok, parse_messages(conv), tool_dicts, self.tool_call_parser,
                                add_generation_prompt,
                                continue_final_message=continue_final_message,
                                **(chat_template_kwargs or {}))

@@ -85,6 +85,24 @@ def test_jsonl_rows_equal_generate_and_chat(llm, oracle, tmp_path):
     assert not (tmp_path / "out.parquet.parts").exists()
 
 
+def test_a_conversation_with_calls_is_rendered_as_the_chat_endpoint_renders_it(llm, tmp_path):
+    """SmolLM2's template renders no tool calls: an earlier call reaches it as the text
+    the model writes (Hermes tags), here as in ``LLM.chat`` and the chat endpoint."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{
+                   "id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    out = tmp_path / "out.parquet"
+    _run(llm, _write_jsonl(tmp_path / "in.jsonl", [{"id": "c", "messages": history}]), out)
+    (row,) = _read(out)
+    chat = llm.chat(history, SamplingParams(temperature=0.0, max_tokens=1))[0]
+    text = llm.get_tokenizer().decode(chat.prompt_token_ids, skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call>' in text
+    assert row["error"] is None and row["prompt_tokens"] == len(chat.prompt_token_ids)
+
+
 def test_parquet_input_with_bad_rows_records_errors_and_goes_on(llm, oracle, tmp_path):
     rows = [
         {"id": "a", "prompt": PROMPTS[0], "messages": None, "temperature": None},
