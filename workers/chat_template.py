@@ -128,13 +128,13 @@ def render_chat_template(template: str | None, messages: list[dict[str, Any]], *
             **variables)
     except jinja2.TemplateError as exc:
         raise ValueError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
-    return _cut_after_final(text, messages[-1]) if continue_final_message else text
+    return _cut_after_final(text, messages) if continue_final_message else text
 
 
-def _cut_after_final(text: str, final: Mapping[str, Any]) -> str:
+def _cut_after_final(text: str, messages: list[dict[str, Any]]) -> str:
     """``text`` up to the end of the last occurrence of the final message's content, or
     of that content stripped, which templates often render."""
-    content = final.get("content")
+    content = messages[-1].get("content") if messages else None
     if not isinstance(content, str) or not content.strip():
         raise ValueError("continue_final_message: the last message has no text to continue")
     for wanted in (content, content.strip()):

@@ -280,6 +280,11 @@ def test_continue_final_message_refusals_name_the_field():
                                          "not render"):
         render_chat_template("{{ 'x' }}", MESSAGES, add_generation_prompt=False,
                              continue_final_message=True)
+    for nothing in ([], [{"role": "assistant", "content": " "}]):
+        with pytest.raises(ValueError, match="continue_final_message: the last message has "
+                                             "no text"):
+            render_chat_template(CHATML, nothing, add_generation_prompt=False,
+                                 continue_final_message=True)
 
 
 def test_render_errors_are_value_errors():
