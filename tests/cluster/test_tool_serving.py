@@ -254,6 +254,23 @@ def test_tiny_qwen_round_trip_renders_calls_and_results_as_transformers(tiny_cli
     assert answer.usage.prompt_tokens == len(expected)
 
 
+def test_tokenize_counts_a_conversation_with_tools_as_the_chat_endpoint(server, client):
+    import httpx
+
+    history = QUESTION + [
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    counted = httpx.post(f"{server}/tokenize", json={"messages": history, "tools": TOOLS},
+                         timeout=_TIMEOUT_S).json()["count"]
+    reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                           tool_choice="none", max_tokens=1)
+    without = httpx.post(f"{server}/tokenize", json={"messages": history},
+                         timeout=_TIMEOUT_S).json()["count"]
+    assert counted == reply.usage.prompt_tokens > without
+
+
 def test_offline_chat_renders_tools_as_transformers(tiny_qwen):
     """``LLM.chat(tools=...)`` on a template that renders tools: its prompt tokens are
     transformers' for the same conversation and tools."""
