@@ -18,7 +18,7 @@ from tqdm import tqdm
 from cluster.config import EngineConfig, load_config, with_overrides
 from cluster.engine import LocalEngine
 from cluster.openai_protocol import parse_messages
-from cluster.openai_tools import ToolFields
+from cluster.openai_tools import OfferedTools
 from cluster.outputs import RequestOutput
 from cluster.tool_calls import ToolCallParser, chat_prompt
 from cluster.vllm_args import LLM_FLAGS
@@ -122,7 +122,7 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
-        tool_dicts = ToolFields(tools=tools).tool_dicts()
+        tool_dicts = OfferedTools(tools=tools).tool_dicts()
         one = isinstance(messages, str) or (messages and isinstance(messages[0], dict))
         parsed = []
         for conv in [messages] if one else messages:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.openai_protocol import APIError, ChatMessage
-from cluster.openai_tools import ToolDef, ToolFields
+from cluster.openai_tools import OfferedTools
 from cluster.tool_calls import ToolCallParser, chat_prompt
 from workers.tokenizer import Tokenizer
 
@@ -28,14 +28,12 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(OfferedTools):
     """Messages (and the tools offered) as ``/v1/chat/completions`` would template and
     tokenize them."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: list[ToolDef] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -60,8 +58,8 @@ def tokenize(tokenizer: Tokenizer | None, req: BaseModel, max_model_len: int,
     messages as the chat endpoint renders them (``parser``: the server's call format)."""
     tok = _need(tokenizer)
     if isinstance(req, TokenizeChatRequest):
-        tools = ToolFields(tools=req.tools).tool_dicts()
-        text = chat_text(tok, [m.as_template_input() for m in req.messages], tools, parser,
+        text = chat_text(tok, [m.as_template_input() for m in req.messages],
+                         req.tool_dicts(), parser,
                          req.add_generation_prompt, req.continue_final_message)
     else:
         text = req.prompt

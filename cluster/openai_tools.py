@@ -64,16 +64,22 @@ class MessageToolCall(_Strict):
                 "function": {"name": self.function.name, "arguments": arguments}}
 
 
-class ToolFields(_Strict):
-    """The chat request's tool fields."""
+class OfferedTools(_Strict):
+    """The tools a conversation offers the model (also what ``/tokenize`` and
+    ``LLM.chat`` take)."""
 
     tools: list[ToolDef] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template receives them."""
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ToolFields(OfferedTools):
+    """The chat request's tool fields."""
+
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def calls_expected(self) -> bool:
         """Whether the output is parsed for calls (tools given and not ``none``)."""
