@@ -66,6 +66,10 @@ class ClusterClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._resumable = ResumeBook()   # the streamed choices' scheduler requests
         self._pump: asyncio.Task | None = None
+        # The long-poll in flight. The scheduler hands news to one poll only, so a pump
+        # cancelled while it waits (its event loop closed) leaves the poll here for the
+        # next pump to take, rather than dropping the tokens it carries.
+        self._poll: ray.ObjectRef | None = None
         self._ids = itertools.count()
 
     @classmethod
@@ -210,19 +214,23 @@ class ClusterClient:
         outputs (or the error that ended it). A lost scheduler's streams resume once
         it serves again; they end only if it does not come back."""
         while self._streams:
+            if self._poll is None:
+                self._poll = self.scheduler.get_client_updates.remote(self.client_id, _POLL_S)
             try:
-                news = await _aget(self.scheduler.get_client_updates.remote(self.client_id,
-                                                                            _POLL_S))
+                news = await _aget(self._poll)
             except (RayActorError, ClientExpiredError) as e:   # lost, or took it for gone
+                self._poll = None
                 if await self._resume(e):
                     continue
                 for queue in self._streams.values():
                     queue.put_nowait(e)
                 return
             except Exception as e:
+                self._poll = None
                 for queue in self._streams.values():
                     queue.put_nowait(e)
                 return
+            self._poll = None
             results, to_stop = self._absorb(news)
             for cid, (_, done, error) in news.items():
                 rid = self._parent.get(cid, cid)

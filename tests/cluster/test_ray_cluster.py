@@ -324,6 +324,43 @@ def test_generate_stream_yields_growing_outputs(tiny_factory, make_cluster):
     assert len(seen) > 1
 
 
+def test_a_long_poll_left_in_flight_by_a_closed_loop_loses_no_tokens(
+        tiny_factory, make_cluster, monkeypatch):
+    """The event loop ends while the client's shared long-poll waits (a batch job
+    interrupted, then run again in the same process). The scheduler hands the next news
+    to that poll; the next loop's streams must still get every token."""
+    import asyncio
+
+    import ray
+
+    from cluster import cluster_client
+
+    monkeypatch.setattr(cluster_client, "_POLL_S", 10.0)   # the poll outlives its loop
+    model = tiny_factory("llama").path
+    engine = make_cluster(model, "1p1d")
+    prompts = _prompts(3)
+
+    async def leave_a_poll_waiting() -> None:
+        stream = await engine.open_stream(prompts[0], SamplingParams(temperature=0.0,
+                                                                     max_tokens=200))
+        outputs = stream.__aiter__()
+        await outputs.__anext__()   # the pump runs; the stream stays open
+        # No more news for this client: the pump's next poll waits when the loop ends.
+        await engine.scheduler.abort.remote(stream.request_id)
+        await asyncio.sleep(0.5)
+        assert not ray.wait([engine._poll], timeout=0)[0]
+
+    async def collect(prompt: list[int]) -> list[int]:
+        *_, last = [o async for o in engine.generate_stream(prompt, GREEDY)]
+        return list(last.outputs[0].token_ids)
+
+    async def run_two() -> list[list[int]]:
+        return list(await asyncio.gather(*(collect(p) for p in prompts[1:])))
+
+    asyncio.run(leave_a_poll_waiting())
+    assert asyncio.run(run_two()) == _local(model, prompts[1:])
+
+
 def test_a_second_scheduler_of_the_same_name_is_refused_and_n_3_matches_offline(
         tiny_factory, make_cluster):
     model = tiny_factory("llama").path
