@@ -1,8 +1,10 @@
-"""``python -m cluster batch``: offline inference over a file of prompts.
+"""``python -m cluster batch``: offline inference over a file of prompts or requests.
 
-The job streams the input (``batch_io``), keeps a bounded window of requests in the
-engine at all times so the workers never run dry between chunks, and flushes finished
-rows to part files every few rows or seconds. A bad row (empty or too long prompt,
+A file of prompts (JSONL or Parquet rows, results to Parquet) is this module's; a file
+of OpenAI Batch API requests (JSONL, answers to JSONL) is ``openai_batch``'s. Either
+way the job streams the input, keeps a bounded window of requests in the engine at
+all times so the workers never run dry between chunks, and flushes finished rows to
+part files every few rows or seconds (``batch_store``). A bad row (empty or too long prompt,
 malformed messages, invalid sampling values) becomes a row with an ``error`` and no
 text; the job goes on. Rows whose id is already in the output are skipped, so running
 the same command again after an interruption finishes the job without repeating
@@ -12,32 +14,32 @@ work, and greedy decoding (the default) gives the same text either way.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import hashlib
 import json
 import logging
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from cluster.batch_io import (
-    SAMPLING_COLUMNS,
-    InputRow,
-    OutputStore,
-    ResultRow,
-    count_rows,
-    input_format,
-    read_rows,
-)
+from cluster.batch_io import SAMPLING_COLUMNS, InputRow, count_rows, input_format, read_rows
+from cluster.batch_store import BatchOutputLines, BatchSummary, OutputStore, ResultRow, ResultSink
 from cluster.cli import interrupt
-from cluster.config import ClusterConfig, EngineConfig, load_config, with_default_pools
+from cluster.cluster_client import ClusterClient
+from cluster.config import (
+    ClusterConfig,
+    EngineConfig,
+    load_config,
+    served_model_name,
+    with_default_pools,
+)
 from cluster.llm import LLM
+from cluster.openai_batch import check_requests, run_requests
 from cluster.openai_protocol import parse_messages
+from cluster.openai_serving import OpenAIServing
 from cluster.outputs import RequestOutput
 from cluster.tool_calls import chat_prompt
 from scheduler.protocol import SamplingParams, StructuredOutputsParams, shown
@@ -55,32 +57,24 @@ class BatchOptions:
     flush_s: float = 10.0      # ... or fewer, once this many seconds have passed
     progress: bool = True
 
-    def check(self) -> None:
-        """Refuse bad options before a cluster is started for them."""
+    @property
+    def requests(self) -> bool:
+        """Whether the job answers OpenAI Batch API requests (``openai_batch``: a .jsonl
+        output) rather than rows of prompts (a .parquet output)."""
+        return self.output.suffix.lower() == BatchOutputLines.suffix
+
+    def check(self) -> int:
+        """Refuse bad options (and a file of requests with a bad line) before a cluster
+        is started for them; returns the number of input rows."""
         if self.window < 1 or self.flush_rows < 1 or self.flush_s <= 0:
             raise ValueError(f"--window {self.window}, --flush-rows {self.flush_rows}, "
                              f"--flush-seconds {self.flush_s}: each must be > 0")
-        input_format(self.input)
         OutputStore(self.output)
         SamplingParams(**self.sampling)
-
-
-@dataclass
-class BatchSummary:
-    rows: int = 0              # rows in the output at the end
-    new: int = 0               # rows this run finished (errors included)
-    errors: int = 0
-    skipped: int = 0           # already in the output
-    duplicates: int = 0        # input rows whose id an earlier row already had
-    completion_tokens: int = 0
-    seconds: float = 0.0
-
-    def line(self, output: Path) -> str:
-        rate = self.completion_tokens / self.seconds if self.seconds else 0.0
-        return (f"batch: {self.rows} rows in {output} ({self.new} new, {self.errors} errors, "
-                f"{self.skipped} already done, {self.duplicates} duplicate ids skipped); "
-                f"{self.completion_tokens} output tokens in {self.seconds:.1f} s "
-                f"({rate:.1f} tok/s)")
+        if self.requests:
+            return check_requests(self.input)
+        input_format(self.input)
+        return count_rows(self.input)
 
 
 def batch_config(config: EngineConfig, output: Path) -> EngineConfig:
@@ -97,29 +91,43 @@ def batch_config(config: EngineConfig, output: Path) -> EngineConfig:
 
 
 def run_batch(llm: LLM, opts: BatchOptions) -> BatchSummary:
-    """Run every input row not yet in the output through ``llm``; merge the output."""
-    opts.check()
+    """Run every input row (or request) not yet in the output through ``llm``; merge
+    the output."""
+    total = opts.check()
     store = OutputStore(opts.output)
     done = store.done_ids()
-    engine = llm.engine
     window = min(opts.window, llm.config.cluster.max_waiting)
-    summary = BatchSummary()
+    sink = ResultSink(store, total, opts.flush_rows, opts.flush_s, opts.progress)
+    try:
+        if opts.requests:
+            asyncio.run(run_requests(_serving(llm), opts.input, done, sink, window))
+        else:
+            _run_rows(llm, opts, done, sink, window)
+    finally:
+        sink.close()
+    return sink.finish()
+
+
+def _serving(llm: LLM) -> OpenAIServing:
+    """The HTTP endpoints' path on ``llm``'s cluster, for a file of requests."""
+    engine = llm.engine
+    if not isinstance(engine, ClusterClient):
+        raise ValueError("a file of OpenAI batch requests runs on a cluster; give the LLM a "
+                         "config with cluster.pools (the batch command does)")
+    return OpenAIServing(engine, llm.config.serving, served_model_name(llm.config),
+                         engine.sampling_defaults)
+
+
+def _run_rows(llm: LLM, opts: BatchOptions, done: set[str], sink: ResultSink,
+              window: int) -> None:
+    """Run the rows of prompts, keeping ``window`` requests in the engine."""
+    engine = llm.engine
     inflight: dict[str, InputRow] = {}
-    pending: list[ResultRow] = []
     taken: set[str] = set()
     rows = read_rows(opts.input)
-    bar = tqdm(total=count_rows(opts.input), unit="row", disable=not opts.progress,
-               desc="batch", mininterval=1.0)
-    start = last_flush = time.monotonic()
 
     def finish(result: ResultRow) -> None:
-        pending.append(result)
-        summary.new += 1
-        summary.errors += result.error is not None
-        summary.completion_tokens += result.completion_tokens or 0
-        rate = summary.completion_tokens / max(time.monotonic() - start, 1e-9)
-        bar.set_postfix_str(f"{rate:.1f} tok/s, {summary.errors} errors", refresh=False)
-        bar.update(1)
+        sink.add(result, result.error is not None, result.completion_tokens or 0)
 
     try:
         exhausted = False
@@ -129,13 +137,11 @@ def run_batch(llm: LLM, opts: BatchOptions) -> BatchSummary:
                 if row is None:
                     exhausted = True
                 elif row.id in done:
-                    summary.skipped += 1
-                    bar.update(1)
+                    sink.skip()
                 elif row.id in taken:
                     log.warning("input row %d: id %r repeats an earlier row; skipped",
                                 row.index, row.id)
-                    summary.duplicates += 1
-                    bar.update(1)
+                    sink.skip(duplicate=True)
                 else:
                     taken.add(row.id)
                     request_id = f"batch-{row.index}"
@@ -147,19 +153,10 @@ def run_batch(llm: LLM, opts: BatchOptions) -> BatchSummary:
             for out in engine.step() if inflight else []:
                 if out.finished:
                     finish(_result(inflight.pop(out.request_id), out))
-            now = time.monotonic()
-            if len(pending) >= opts.flush_rows or (pending and now - last_flush >= opts.flush_s):
-                store.write_part(pending)
-                pending.clear()
-                last_flush = now
+            sink.tick()
     finally:
-        store.write_part(pending)   # keep what is finished, however the loop ended
         for request_id in inflight:
             engine.abort_request(request_id)
-        bar.close()
-    summary.seconds = time.monotonic() - start
-    summary.rows = store.merge()
-    return summary
 
 
 def _submit(llm: LLM, request_id: str, row: InputRow, defaults: dict[str, Any]) -> str | None:

@@ -69,8 +69,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.config import load_config, sampling_defaults, with_default_pools, with_overrides
-    from cluster.serve_app import app_for, served_model_name
+    from cluster.config import (
+        load_config,
+        sampling_defaults,
+        served_model_name,
+        with_default_pools,
+        with_overrides,
+    )
+    from cluster.serve_app import app_for
     from cluster.vllm_args import config_overrides
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -213,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(srv)
     srv.set_defaults(func=_cmd_serve)
     batch = sub.add_parser(
-        "batch", help="run a JSONL or Parquet file of prompts into a Parquet file of results",
+        "batch", help="run a file of prompts into a Parquet file of results, or a file of "
+        "OpenAI Batch API requests into a JSONL file of answers",
         description="Offline inference over a file of prompts on a Ray cluster (1 prefill + 1 "
         "decode worker unless --config names pools; inside `ray job submit` it joins that "
         "cluster). Input columns: id (optional; default: the row number), prompt (text) or "
@@ -221,13 +228,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(max_tokens, min_tokens, temperature, top_p, top_k, min_p, seed, stop, "
         "repetition_penalty, presence_penalty, frequency_penalty, ignore_eos) that override "
         "the defaults below. Output columns: id, row, text, finish_reason, prompt_tokens, "
-        "completion_tokens, error (null unless the row was refused). Rows whose id is "
+        "completion_tokens, error (null unless the row was refused). With a .jsonl output "
+        "the input is an OpenAI Batch API file instead (what `vllm run-batch` reads): "
+        "lines of {custom_id, method: POST, url: /v1/chat/completions or /v1/completions, "
+        "body}, each answered as the HTTP endpoint answers it, into lines of {id, "
+        "custom_id, response: {status_code, request_id, body}, error}; the sampling "
+        "options below do not apply (each body has its own). Rows whose id (custom_id) is "
         "already in the output are skipped: rerun the same command to resume.")
-    batch.add_argument("--input", required=True, metavar="FILE",
-                       help="prompts: .jsonl (one JSON object per line) or .parquet")
-    batch.add_argument("--output", required=True, metavar="FILE",
-                       help="results .parquet; finished rows are flushed to FILE.parts/ "
-                       "and merged into FILE at the end")
+    batch.add_argument("--input", "--input-file", "-i", required=True, metavar="FILE",
+                       help="prompts: .jsonl (one JSON object per line) or .parquet; or "
+                       "OpenAI batch requests (.jsonl) for a .jsonl output")
+    batch.add_argument("--output", "--output-file", "-o", required=True, metavar="FILE",
+                       help="results .parquet, or answers .jsonl (OpenAI Batch API output); "
+                       "finished rows are flushed to FILE.parts/ and merged into FILE at "
+                       "the end")
     _add_sampling(batch)
     batch.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 is off (default)")
     batch.add_argument("--stop", action="append", metavar="TEXT",

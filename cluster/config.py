@@ -25,10 +25,12 @@ from kvcache.long_context import LongContextConfig, from_environment, log_source
 from scheduler.config import SchedulerConfig
 from scheduler.protocol import Role, SamplingParams
 from workers.device import DEVICES, default_block_size
+from workers.loading.checkpoint import DEFAULT_MODEL_FILE
 from workers.loading.generation_defaults import (
     SAMPLING_DEFAULT_FIELDS,
     resolve_sampling_defaults,
 )
+from workers.loading.hub import is_hub_id
 from workers.ops import OPS_BACKENDS
 from workers.ops.quant_linear import check_quantization
 
@@ -335,6 +337,16 @@ def with_default_pools(config: EngineConfig) -> EngineConfig:
         return config
     pools = [WorkerPoolConfig(role="prefill"), WorkerPoolConfig(role="decode")]
     return dataclasses.replace(config, cluster=dataclasses.replace(config.cluster, pools=pools))
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The model id clients send: the configured name, else the checkpoint's."""
+    if config.serving.model_name:
+        return config.serving.model_name
+    if config.model.path and is_hub_id(config.model.path):
+        return config.model.path   # vLLM serves a model id under that id
+    path = Path(config.model.path or DEFAULT_MODEL_FILE.split(".")[0])
+    return path.name.removesuffix(".gguf")
 
 
 def load_config(path: str | Path | None) -> EngineConfig:

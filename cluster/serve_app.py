@@ -19,22 +19,12 @@ from cluster.config import (
     EngineConfig,
     config_from_dict,
     load_config,
+    served_model_name,
     with_default_pools,
     with_overrides,
 )
 from cluster.router import Router
 from workers.loading.checkpoint import DEFAULT_MODEL_FILE
-from workers.loading.hub import is_hub_id
-
-
-def served_model_name(config: EngineConfig) -> str:
-    """The model id clients send: the configured name, else the checkpoint's."""
-    if config.serving.model_name:
-        return config.serving.model_name
-    if config.model.path and is_hub_id(config.model.path):
-        return config.model.path   # vLLM serves a model id under that id
-    path = Path(config.model.path or DEFAULT_MODEL_FILE.split(".")[0])
-    return path.name.removesuffix(".gguf")
 
 
 def config_from_args(args: dict[str, Any] | None) -> EngineConfig:

@@ -215,7 +215,7 @@ def test_org_name_models_resolve_through_the_local_hf_cache(tiny_factory, tmp_pa
                        tiny.hf.model.embed_tokens.weight)
     with pytest.raises(FileNotFoundError, match="hf download tiny-org/absent"):
         load_checkpoint("tiny-org/absent")
-    from cluster.serve_app import served_model_name
+    from cluster.config import served_model_name
     assert served_model_name(config_from_dict({"model": {"path": "tiny-org/tiny-llama"}})) \
         == "tiny-org/tiny-llama"
 
