@@ -31,7 +31,8 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.batch import BatchOptions, batch_config, run_batch
-from cluster.config import config_from_dict
+from cluster.batch_store import OutputStore
+from cluster.config import config_from_dict, served_model_name
 
 pytestmark = pytest.mark.slow
 
@@ -331,42 +332,66 @@ def _live_actors(head: Head) -> list[str]:
     return [a["class_name"] for a in json.loads(out)] if out.startswith("[") else []
 
 
-def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path):
+def _job_input(tmp_path: Path, fmt: str) -> tuple[Path, Path]:
+    """JOB_ROWS prompts of 12 tokens each, EOS ignored, as rows of prompts (Parquet out)
+    or as OpenAI batch requests (JSONL out); the input and output paths."""
+    prompts = [f"Item {i}: the number {i} is" for i in range(JOB_ROWS)]
+    if fmt == "rows":
+        rows = [{"prompt": p, "ignore_eos": True} for p in prompts]
+        return _write_jsonl(tmp_path / "prompts.jsonl", rows), tmp_path / "results.parquet"
+    model = served_model_name(config_from_dict({}))
+    lines = [{"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+              "body": {"model": model, "prompt": p, "max_tokens": 12, "ignore_eos": True}}
+             for i, p in enumerate(prompts)]
+    return _write_jsonl(tmp_path / "requests.jsonl", lines), tmp_path / "answers.jsonl"
+
+
+def _job_output(out: Path) -> dict[str, int]:
+    """Each output row's id and its completion tokens (None for an error)."""
+    if out.suffix == ".parquet":
+        rows = pq.read_table(out).to_pylist()
+        got = {r["id"]: None if r["error"] else r["completion_tokens"] for r in rows}
+    else:
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        got = {a["custom_id"]: a["response"]["body"]["usage"]["completion_tokens"]
+               if a["response"]["status_code"] == 200 else None for a in rows}
+    assert len(got) == len(rows)   # each id once
+    return got
+
+
+@pytest.mark.parametrize("fmt", ["rows", "requests"])
+def test_ray_job_interrupted_and_resumed_holds_each_row_once(ray_head, tmp_path, fmt):
     # 12 tokens a row, EOS ignored: the job runs for about 20 s, so `ray job stop`
     # (a CLI that takes seconds to start) still finds it running after the first flush.
-    src = _write_jsonl(tmp_path / "prompts.jsonl",
-                       [{"prompt": f"Item {i}: the number {i} is", "ignore_eos": True}
-                        for i in range(JOB_ROWS)])
-    out = tmp_path / "results.parquet"
-    parts = tmp_path / "results.parquet.parts"
+    src, out = _job_input(tmp_path, fmt)
+    parts = out.with_name(out.name + ".parts")
     command = ["--working-dir", ".", "--", "python", "-m", "cluster", "batch",
                "--input", str(src), "--output", str(out), "--max-tokens", "12",
                "--window", "8", "--flush-rows", "5", "--no-progress"]
+    first, resume = f"batch-first-{fmt}", f"batch-resume-{fmt}"
 
-    _job(ray_head, "submit", "--submission-id", "batch-first", "--no-wait", *command)
+    _job(ray_head, "submit", "--submission-id", first, "--no-wait", *command)
     deadline = last_check = time.monotonic()
     deadline += 600
-    while not any(parts.glob("*.parquet")):   # interrupt once some rows are flushed
+    while not any(parts.glob(f"*{out.suffix}")):   # interrupt once some rows are flushed
         if time.monotonic() - last_check > 10:
             last_check = time.monotonic()
-            assert _status(ray_head, "batch-first") in ("PENDING", "RUNNING"), \
-                _job(ray_head, "logs", "batch-first")
-        assert time.monotonic() < deadline, _job(ray_head, "logs", "batch-first")
+            assert _status(ray_head, first) in ("PENDING", "RUNNING"), \
+                _job(ray_head, "logs", first)
+        assert time.monotonic() < deadline, _job(ray_head, "logs", first)
         time.sleep(0.2)
-    _job(ray_head, "stop", "batch-first")
-    assert _status(ray_head, "batch-first") == "STOPPED"
-    assert "batch: interrupted" in _job(ray_head, "logs", "batch-first")   # SIGTERM handled
+    _job(ray_head, "stop", first)
+    assert _status(ray_head, first) == "STOPPED"
+    assert "batch: interrupted" in _job(ray_head, "logs", first)   # SIGTERM handled
     assert not {"GlobalScheduler", "Worker"} & set(_live_actors(ray_head))
     assert not out.exists()
-    flushed = pq.read_table(sorted(parts.glob("*.parquet"))).column("id").to_pylist()
-    assert 0 < len(flushed) == len(set(flushed)) < JOB_ROWS
+    flushed = OutputStore(out).done_ids()
+    assert 0 < len(flushed) < JOB_ROWS
 
-    logs = _job(ray_head, "submit", "--submission-id", "batch-resume", *command)
-    assert _status(ray_head, "batch-resume") == "SUCCEEDED", logs
+    logs = _job(ray_head, "submit", "--submission-id", resume, *command)
+    assert _status(ray_head, resume) == "SUCCEEDED", logs
     assert f"{JOB_ROWS - len(flushed)} new, 0 errors, {len(flushed)} already done" in logs
-    rows = pq.read_table(out).to_pylist()
-    assert sorted(r["id"] for r in rows) == sorted(str(i) for i in range(JOB_ROWS))
-    assert all(r["error"] is None and r["completion_tokens"] > 0 for r in rows)
+    assert _job_output(out) == {str(i): 12 for i in range(JOB_ROWS)}
     assert not parts.exists()
     assert not {"GlobalScheduler", "Worker"} & set(_live_actors(ray_head))
 
