@@ -4,11 +4,11 @@ A file of prompts (JSONL or Parquet rows, results to Parquet) is this module's; 
 of OpenAI Batch API requests (JSONL, answers to JSONL) is ``openai_batch``'s. Either
 way the job streams the input, keeps a bounded window of requests in the engine at
 all times so the workers never run dry between chunks, and flushes finished rows to
-part files every few rows or seconds (``batch_store``). A bad row (empty or too long prompt,
-malformed messages, invalid sampling values) becomes a row with an ``error`` and no
-text; the job goes on. Rows whose id is already in the output are skipped, so running
-the same command again after an interruption finishes the job without repeating
-work, and greedy decoding (the default) gives the same text either way.
+part files every few rows or seconds (``batch_store``). A bad row (empty or too long
+prompt, malformed messages, invalid sampling values) becomes a row with an ``error``
+and no text; the job goes on. Rows whose id is already in the output are skipped, so
+running the same command again after an interruption finishes the job without
+repeating work, and greedy decoding (the default) gives the same text either way.
 """
 
 from __future__ import annotations

@@ -160,6 +160,8 @@ BENCHMARKS = {
                              "HF fp32: teacher-forced top-1 agreement and perplexity"),
     "cuda": ("cuda_paths", "on a CUDA GPU: decode with and without CUDA graphs against HF "
              "generate; the device KV transport's cost against a device copy"),
+    "batch-files": ("batch_files", "a file of OpenAI batch requests against the same prompts "
+                    "as rows through `batch`: throughput of each, and equal text"),
     "chaos": ("chaos", "mixed requests whose clients leave at any point, then checks that "
               "the server kept constraints, freed both KV tiers and still answers the same"),
     "autoscale": ("autoscale", "a 1 -> 32 -> 1 streaming-client ramp on an autoscaled decode "

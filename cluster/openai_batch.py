@@ -1,14 +1,15 @@
 """OpenAI Batch API files through the serving path: what ``vllm run-batch`` runs.
 
 Each input line is a request as OpenAI's Batch API takes it: ``{"custom_id", "method":
-"POST", "url": "/v1/chat/completions" or "/v1/completions", "body"}``. Each output line
-is its answer as OpenAI writes it: ``{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error": null}``. The body runs through ``OpenAIServing``, the
-path the HTTP endpoints run, so a line gets what the same request over HTTP gets: a
-refusal is its status and OpenAI's error body, and it costs that line only. A file
-whose lines are not requests (not JSON, no ``custom_id``, a ``custom_id`` twice, another
-method or url) is refused whole before the cluster starts, as OpenAI refuses such a file
-at upload. Lines finish in any order; ``custom_id`` matches an answer to its request.
+"POST", "url": "/v1/chat/completions", "/v1/completions" or "/v1/responses", "body"}``.
+Each output line is its answer as OpenAI writes it: ``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error": null}``. The body runs through the
+router's endpoints (``OpenAIServing``, ``responses_api``), so a line gets what the same
+request over HTTP gets: a refusal is its status and OpenAI's error body, and it costs
+that line only. A file whose lines are not requests (not JSON, no ``custom_id``, a
+``custom_id`` twice, another method or url) is refused whole before the cluster starts,
+as OpenAI refuses such a file at upload. Lines finish in any order; ``custom_id``
+matches an answer to its request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,12 @@ from typing import Any
 from cluster.batch_store import ResultSink
 from cluster.client_errors import client_error
 from cluster.openai_protocol import APIError
-from cluster.openai_serving import OpenAIServing
+from cluster.openai_serving import Answer, OpenAIServing
+from cluster.responses_api import ResponsesEndpoint
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _FIELDS = {"custom_id", "method", "url", "body"}
+Endpoint = Callable[[Any], Awaitable[Answer]]
 
 
 @dataclass
@@ -104,9 +106,14 @@ def output_line(custom_id: str, status: int, request_id: str,
             "error": None}
 
 
-async def answer(serving: OpenAIServing, req: BatchRequest) -> tuple[dict[str, Any], int]:
+def endpoints(serving: OpenAIServing) -> dict[str, Endpoint]:
+    """Each url's endpoint, as the router serves it."""
+    return dict(zip(ENDPOINTS, (serving.chat_completions, serving.completions,
+                                ResponsesEndpoint(serving).create)))
+
+
+async def answer(endpoint: Endpoint, req: BatchRequest) -> tuple[dict[str, Any], int]:
     """The request's output line and the tokens it generated."""
-    endpoint = serving.chat_completions if req.url == CHAT else serving.completions
     request_id = f"batch-{uuid.uuid4().hex}"
     try:
         if req.body.get("stream"):
@@ -116,7 +123,9 @@ async def answer(serving: OpenAIServing, req: BatchRequest) -> tuple[dict[str, A
     except Exception as e:
         e = client_error(e, request_id)
         return output_line(req.custom_id, e.status, request_id, e.body()), 0
-    tokens = got.body["usage"]["completion_tokens"]
+    usage = got.body["usage"]
+    tokens = usage["completion_tokens"] if "completion_tokens" in usage else \
+        usage["output_tokens"]   # the Responses API's name
     return output_line(req.custom_id, 200, got.request_id, got.body), tokens
 
 
@@ -126,6 +135,7 @@ async def run_requests(serving: OpenAIServing, path: Path, done: set[str], sink:
     ``window`` at a time, each output line into ``sink``. Interrupted, the requests in
     flight are cancelled (their streams aborted) and their lines are not written."""
     running: set[asyncio.Task] = set()
+    by_url = endpoints(serving)
 
     async def settle(limit: int) -> None:
         """Wait until at most ``limit`` requests run, writing the lines that finish."""
@@ -144,7 +154,7 @@ async def run_requests(serving: OpenAIServing, path: Path, done: set[str], sink:
                 sink.skip()
                 continue
             await settle(window - 1)
-            running.add(asyncio.create_task(answer(serving, req)))
+            running.add(asyncio.create_task(answer(by_url[req.url], req)))
         await settle(0)
     finally:
         for task in running:

@@ -28,6 +28,7 @@ from cluster.cluster_client import ClusterClient
 from cluster.config import ServingConfig
 from cluster.openai_protocol import APIError, parse_request
 from cluster.openai_serving import Answer, OpenAIServing
+from cluster.responses_api import ResponsesEndpoint
 
 API_KEY_ENV = "LLM_CLUSTER_API_KEY"
 
@@ -41,7 +42,7 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = (f"{request.method} {request.url.path}: {exc.detail}; the API is "
                "/v1/models, /v1/models/{model}, /v1/completions, /v1/chat/completions, "
-               "/tokenize, /detokenize, /version, /health, /metrics")
+               "/v1/responses, /tokenize, /detokenize, /version, /health, /metrics")
     return JSONResponse(APIError(exc.status_code, message, type=kind).body(),
                         status_code=exc.status_code)
 
@@ -70,6 +71,7 @@ class Router:
         self.model_root = model_root
         self.openai = OpenAIServing(self.client, self.serving, model_name,
                                     info.sampling_defaults)
+        self.responses_api = ResponsesEndpoint(self.openai)
         self.created = int(time.time())
 
     # ---- endpoints -------------------------------------------------------------------
@@ -114,6 +116,10 @@ class Router:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, self._sender(self.openai.chat_completions))
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self._answer(request, self._sender(self.responses_api.create))
 
     # ---- request handling ------------------------------------------------------------
     async def _answer(self, request: Request,

@@ -56,7 +56,7 @@ def _answers(path: Path) -> dict[str, dict[str, Any]]:
     ("{not json", "line 2: not valid JSON"),
     ({"prompt": "hi"}, "line 2: expected a batch request"),
     (_line("x", {}, extra_field=1), "line 2: fields ['extra_field'] are not"),
-    ({"custom_id": "x", "url": "/v1/chat/completions", "body": {}},
+    ({"custom_id": "x", "url": "/v1/responses", "body": {}},
      "line 2: fields ['method'] are missing"),
     (_line("", {}), "line 2: custom_id: got ''"),
     (_line(7, {}), "line 2: custom_id: got 7"),
@@ -147,6 +147,7 @@ def _run(llm: LLM, src: Path, out: Path, **kw: Any):
 def test_each_request_is_answered_as_the_endpoint_answers_it(cluster_llm, oracle, tmp_path):
     from openai.types import Completion
     from openai.types.chat import ChatCompletion
+    from openai.types.responses import Response
 
     weather = {"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city.",
@@ -159,6 +160,8 @@ def test_each_request_is_answered_as_the_endpoint_answers_it(cluster_llm, oracle
         _line("tool", _chat("What is the weather in Paris?", max_tokens=48, tools=[weather],
                             tool_choice={"type": "function",
                                          "function": {"name": "get_weather"}})),
+        _line("resp", {"model": MODEL, "input": QUESTIONS[0], "max_output_tokens": MAX_TOKENS,
+                       "temperature": 0}, "/v1/responses"),
         _line("hot", _chat("hi", temperature=-1)),
         _line("model", {**_chat("hi"), "model": "gpt-4o-mini"}),
         _line("stream", _chat("hi", stream=True)),
@@ -167,7 +170,7 @@ def test_each_request_is_answered_as_the_endpoint_answers_it(cluster_llm, oracle
     out = tmp_path / "out.jsonl"
     summary = _run(cluster_llm, _write(tmp_path / "in.jsonl", lines), out, window=4)
     got = _answers(out)
-    assert (summary.rows, summary.new, summary.errors) == (7, 7, 4)
+    assert (summary.rows, summary.new, summary.errors) == (8, 8, 4)
     assert all(a["id"].startswith("batch_req_") and a["error"] is None for a in got.values())
 
     chat = got["chat"]["response"]
@@ -183,6 +186,9 @@ def test_each_request_is_answered_as_the_endpoint_answers_it(cluster_llm, oracle
     assert all(len(c.logprobs.tokens) == MAX_TOKENS for c in cmpl.choices)
     assert cmpl.usage.completion_tokens == 2 * MAX_TOKENS
 
+    response = Response.model_validate(got["resp"]["response"]["body"])
+    assert (response.output_text, response.usage.input_tokens) == oracle[QUESTIONS[0]]
+
     (call,) = ChatCompletion.model_validate(got["tool"]["response"]["body"]) \
         .choices[0].message.tool_calls
     assert call.function.name == "get_weather"
@@ -193,9 +199,9 @@ def test_each_request_is_answered_as_the_endpoint_answers_it(cluster_llm, oracle
                 for k in ("hot", "model", "stream", "unknown")}
     assert refusals == {"hot": (400, "temperature"), "model": (404, "model"),
                         "stream": (400, "stream"), "unknown": (400, "frobnicate")}
-    assert summary.completion_tokens == sum(
-        a["response"]["body"]["usage"]["completion_tokens"] for a in got.values()
-        if a["response"]["status_code"] == 200)
+    assert summary.completion_tokens == body.usage.completion_tokens + \
+        cmpl.usage.completion_tokens + response.usage.output_tokens + \
+        ChatCompletion.model_validate(got["tool"]["response"]["body"]).usage.completion_tokens
 
 
 @pytest.mark.slow
@@ -206,8 +212,8 @@ def test_an_interrupted_job_resumed_answers_each_request_once(cluster_llm, oracl
     out = tmp_path / "out.jsonl"
     answer, finished = openai_batch.answer, []
 
-    async def interrupted(serving, req):
-        got = await answer(serving, req)
+    async def interrupted(endpoint, req):
+        got = await answer(endpoint, req)
         finished.append(req.custom_id)
         if len(finished) == 3:
             raise KeyboardInterrupt

@@ -7,7 +7,9 @@ random model never chooses a call by itself, so calls are forced (``required`` o
 function) there. Oracles: ``jsonschema`` for every call's arguments against its tool's
 parameters, transformers' ``apply_chat_template`` on the tiny tokenizer for the prompt
 of a history with calls and tool results (its token count is the server's
-``prompt_tokens``), and the non-streamed call for the streamed one.
+``prompt_tokens``), and the non-streamed call for the streamed one. The Responses API
+(``/v1/responses``) runs on the chat path: its text, calls and token counts must equal
+the chat endpoint's for the same conversation.
 """
 
 from __future__ import annotations
@@ -307,3 +309,72 @@ def test_bad_tool_requests_are_400_naming_the_field(server, extra, param):
     reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=_TIMEOUT_S)
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == param
+
+
+# ---- the Responses API (/v1/responses) on the chat path -----------------------------------
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]   # its tool shape
+
+
+def test_responses_text_equals_the_chat_endpoint_whole_and_streamed(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Answer briefly."}, *QUESTION],
+        temperature=0, max_tokens=12)
+    kwargs = dict(model=MODEL, instructions="Answer briefly.", input=QUESTION[0]["content"],
+                  temperature=0, max_output_tokens=12, metadata={"run": "test"})
+    response = client.responses.create(**kwargs)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                               else "completed")
+    assert (response.usage.input_tokens, response.usage.output_tokens) == \
+        (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert (response.model, response.metadata, response.id[:5]) == \
+        (MODEL, {"run": "test"}, "resp_")
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        response.output_text
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == response.output_text
+
+
+def test_responses_function_call_round_trip_equals_the_chat_endpoint(client):
+    first = client.responses.create(
+        model=MODEL, input=QUESTION[0]["content"], tools=FLAT_TOOLS, temperature=0,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=96)
+    (call,) = first.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                          tool_choice=NAMED, temperature=0, max_tokens=96)
+    assert json.loads(call.arguments) == \
+        json.loads(chat.choices[0].message.tool_calls[0].function.arguments)
+    jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMS)
+
+    result = '{"temperature": 21, "sky": "sunny"}'
+    second = client.responses.create(
+        model=MODEL, input=[QUESTION[0], call.model_dump(exclude_none=True),
+                            {"type": "function_call_output", "call_id": call.call_id,
+                             "output": result}],
+        tools=FLAT_TOOLS, tool_choice="none", temperature=0, max_output_tokens=48)
+    history = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call.call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS,
+                                            tool_choice="none", temperature=0, max_tokens=48)
+    assert second.output_text == answer.choices[0].message.content
+    assert second.usage.input_tokens == answer.usage.prompt_tokens
+
+
+def test_responses_refusals_name_the_responses_field(client):
+    import openai
+
+    for kwargs, param in [({"store": True}, "store"),
+                          ({"input": [{"role": "user", "content": [
+                              {"type": "input_image", "image_url": "http://x"}]}]},
+                           "input.0.content"),
+                          ({"max_output_tokens": 10**6}, "max_output_tokens")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(**{"model": MODEL, "input": "Hi", **kwargs})
+        assert info.value.body["param"] == param, info.value.body
