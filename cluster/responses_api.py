@@ -6,9 +6,12 @@ message), ``max_output_tokens``, function ``tools``, ``text.format``. This modul
 one into the chat body, runs it through ``OpenAIServing.chat_completions`` (so it gets
 the same validation, template, tool calls and structured output), and turns the answer
 back into a ``response`` object (``output`` items: reasoning, a message, function calls)
-or, streamed, into the Responses events, ``response.created`` to ``response.completed``.
+or, streamed, into the Responses events, from ``response.created`` to the one that ends
+it: ``response.completed``, ``response.incomplete`` (cut at ``max_output_tokens``) or,
+after an ``error`` event, ``response.failed``.
 Nothing is stored: ``store: true`` and ``previous_response_id`` are refused, and a
-conversation is sent whole, as a chat conversation is. Fields not listed in
+conversation is sent whole, as a chat conversation is (an earlier turn's reasoning items
+sent back are left out, as chat templates leave out earlier reasoning). Fields not listed in
 ``ResponsesRequest`` are a 400 naming them.
 """
 
@@ -50,6 +53,7 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
+    include: list[str] | None = None
     store: bool | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None
@@ -65,6 +69,14 @@ class ResponsesRequest(BaseModel):
         if self.store:
             raise APIError(400, "store: this server keeps no responses; set store to false "
                            "and send the whole conversation in input", param="store")
+        if self.include:
+            raise APIError(400, f"include: got {self.include}; this server adds nothing to "
+                           "a response (no logprobs, no encrypted reasoning): send an empty "
+                           "list or leave it out", param="include")
+        unknown = sorted(set(self.text or {}) - {"format"})
+        if unknown:
+            raise APIError(400, f"text.{unknown[0]}: not supported by this server; leave it "
+                           "out", param=f"text.{unknown[0]}")
         body: dict[str, Any] = {k: getattr(self, k) for k in _SAME_FIELDS
                                 if getattr(self, k) is not None}
         messages, sources = _messages(self.input)
@@ -107,11 +119,14 @@ def _messages(given: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": _str(i, item, "call_id"),
                              "content": _str(i, item, "output")})
+        elif kind == "reasoning":
+            continue   # an earlier turn's reasoning, sent back: templates leave it out
         else:
             raise APIError(400, f"input.{i}: got an item of type {kind!r}"
                            f"{'' if kind != 'message' else ' with role ' + repr(item.get('role'))}"
                            "; this server takes messages (role user, system, developer or "
-                           "assistant), function_call and function_call_output items",
+                           "assistant), function_call, function_call_output and reasoning "
+                           "items",
                            param=f"input.{i}")
         sources.append(f"input.{i}")
     return messages, sources
@@ -211,13 +226,17 @@ class ResponsesEndpoint:
 
     def _response(self, req: ResponsesRequest, response_id: str, created: float,
                   output: list[dict[str, Any]], finish_reason: str | None,
-                  usage: dict[str, int] | None) -> dict[str, Any]:
-        """The ``response`` object; ``finish_reason`` None while it runs."""
-        status = "in_progress" if finish_reason is None else \
-            "incomplete" if finish_reason == "length" else "completed"
+                  usage: dict[str, int] | None, error: APIError | None = None
+                  ) -> dict[str, Any]:
+        """The ``response`` object: ``in_progress`` while it runs (no ``finish_reason``),
+        ``failed`` with an ``error``, else ``incomplete`` when cut at the token limit or
+        ``completed``."""
+        status = "failed" if error is not None else "in_progress" if finish_reason is None \
+            else "incomplete" if finish_reason == "length" else "completed"
         return {
             "id": response_id, "object": "response", "created_at": created,
-            "status": status, "error": None,
+            "status": status, "error": None if error is None else {
+                "code": _failure_code(error), "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -273,12 +292,15 @@ class ResponsesEndpoint:
                     yield event
                 for event in stream.close_text():
                     yield event
-            yield stream.event("response.completed", response=self._response(
-                req, response_id, created, stream.output, finish_reason or "stop", usage))
+            response = self._response(req, response_id, created, stream.output,
+                                      finish_reason or "stop", usage)
+            yield stream.event(f"response.{response['status']}", response=response)
         except Exception as e:
             e = _renamed(client_error(e, response_id), sources)
             yield stream.event("error", code=e.code or e.type, message=e.message,
                                param=e.param)
+            yield stream.event("response.failed", response=self._response(
+                req, response_id, created, stream.output, None, usage, e))
         finally:
             await chunks.aclose()   # a client gone: the chat stream aborts its choice
 
@@ -385,3 +407,11 @@ def _renamed(e: APIError, sources: list[str]) -> APIError:
     message = e.message.replace(e.param or "", param, 1)
     return APIError(e.status, message, type=e.type, param=param, code=e.code,
                     retry_after_s=e.retry_after_s)
+
+
+def _failure_code(e: APIError) -> str:
+    """A failed response's ``error.code``: one of the Responses API's words (its event
+    carries ours in ``error``'s ``code``)."""
+    if e.code == "overloaded":
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if 400 <= e.status < 500 else "server_error"

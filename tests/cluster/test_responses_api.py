@@ -25,7 +25,7 @@ def _chat(body: dict) -> tuple[dict, list[str]]:
 
 
 def test_text_input_and_instructions_become_a_system_and_a_user_message():
-    body, sources = _chat({"input": "Hi!", "instructions": "Be brief.",
+    body, sources = _chat({"input": "Hi!", "instructions": "Be brief.", "include": [],
                            "max_output_tokens": 5, "temperature": 0.0, "seed": 3})
     assert body == {"model": "m", "temperature": 0.0, "seed": 3, "max_completion_tokens": 5,
                     "messages": [{"role": "system", "content": "Be brief."},
@@ -43,6 +43,7 @@ def test_items_calls_and_outputs_become_the_chat_history():
         call, second,
         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
         {"type": "function_call_output", "call_id": "call_2", "output": "rain"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
         {"type": "message", "role": "developer", "content": "Answer in one line."}]})
     assert body["messages"] == [
         {"role": "user", "content": "Weather in Paris and Rome?"},
@@ -54,7 +55,7 @@ def test_items_calls_and_outputs_become_the_chat_history():
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
         {"role": "developer", "content": "Answer in one line."}]
-    assert sources == ["input.0", "input.1", "input.3", "input.4", "input.5"]
+    assert sources == ["input.0", "input.1", "input.3", "input.4", "input.6"]
 
 
 def test_tools_tool_choice_text_format_and_stream_take_the_chat_shapes():
@@ -81,6 +82,8 @@ def test_tools_tool_choice_text_format_and_stream_take_the_chat_shapes():
      "not supported"),
     ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning", "not supported"),
     ({"input": "x", "truncation": "auto"}, "truncation", "'disabled'"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "adds nothing"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity", "not supported"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "greater than or equal"),
     ({"input": [{"type": "input_image", "image_url": "u"}]}, "input.0", "'input_image'"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0", "with role 'tool'"),
@@ -181,7 +184,7 @@ def test_a_whole_stream_ends_in_the_response_the_openai_types_accept():
     assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     done = events[-1]
-    assert done.type == "response.completed"
+    assert done.type == "response.incomplete"   # the terminal event names the status
     response = done.response
     assert (response.output_text, response.status, response.incomplete_details.reason) == \
         ("Hello there", "incomplete", "max_output_tokens")
@@ -190,6 +193,36 @@ def test_a_whole_stream_ends_in_the_response_the_openai_types_accept():
     assert (response.id, response.model, response.metadata) == ("resp_1", "m", {"k": "v"})
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         "Hello there"
+
+
+def test_a_failure_mid_stream_ends_in_an_error_and_response_failed():
+    import asyncio
+    from types import SimpleNamespace
+
+    from openai.types.responses import ResponseStreamEvent
+
+    from cluster.responses_api import ResponsesEndpoint
+
+    async def chat_stream():
+        yield _sse({"choices": [{"index": 0, "delta": {"content": "Hel"},
+                                 "finish_reason": None}]})
+        yield _sse({"error": {"message": "the cluster cannot serve requests now",
+                              "type": "server_error", "param": None, "code": "unavailable"}})
+        yield "data: [DONE]\n\n"
+
+    req = parse_request(ResponsesRequest, {"model": "m", "input": "Hi", "stream": True})
+    endpoint = ResponsesEndpoint(SimpleNamespace(model_name="m"))
+
+    async def collect() -> list[str]:
+        return [e async for e in endpoint._events(req, "resp_1", chat_stream(), ["input"])]
+
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(
+        json.loads(e.split("data: ", 1)[1])) for e in asyncio.run(collect())]
+    error, failed = events[-2:]
+    assert (error.type, error.code) == ("error", "unavailable")
+    assert failed.type == "response.failed"
+    assert (failed.response.status, failed.response.error.code) == ("failed", "server_error")
+    assert "cannot serve" in failed.response.error.message
 
 
 def test_a_whole_chat_answer_becomes_reasoning_message_and_call_items():

@@ -334,7 +334,7 @@ def test_responses_text_equals_the_chat_endpoint_whole_and_streamed(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         response.output_text
-    assert events[-1].type == "response.completed"
+    assert events[-1].type == f"response.{response.status}"   # completed or incomplete
     assert events[-1].response.output_text == response.output_text
 
 
