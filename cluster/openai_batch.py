@@ -107,9 +107,10 @@ def output_line(custom_id: str, status: int, request_id: str,
 
 
 def endpoints(serving: OpenAIServing) -> dict[str, Endpoint]:
-    """Each url's endpoint, as the router serves it."""
-    return dict(zip(ENDPOINTS, (serving.chat_completions, serving.completions,
-                                ResponsesEndpoint(serving).create)))
+    """Each of ``ENDPOINTS``' endpoint, as the router serves it."""
+    return {"/v1/chat/completions": serving.chat_completions,
+            "/v1/completions": serving.completions,
+            "/v1/responses": ResponsesEndpoint(serving).create}
 
 
 async def answer(endpoint: Endpoint, req: BatchRequest) -> tuple[dict[str, Any], int]:

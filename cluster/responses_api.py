@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -28,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from cluster.client_errors import client_error
 from cluster.openai_protocol import APIError, parse_request
 from cluster.openai_serving import Answer, OpenAIServing
+from cluster.responses_events import EventStream, call_item, message_item, new_id, reasoning_item
 
 # Fields passed to the chat request as they are (vLLM's sampling extras among them).
 _SAME_FIELDS = ("model", "temperature", "top_p", "user", "parallel_tool_calls", "seed",
@@ -172,28 +172,6 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
                                                    if k != "type"}}
 
 
-# ---- the answer ----------------------------------------------------------------------
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]
-            if status == "completed" else []}
-
-
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
-
-
-def _call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-            "status": status}
-
-
 class ResponsesEndpoint:
     """``POST /v1/responses`` over an ``OpenAIServing``."""
 
@@ -207,7 +185,7 @@ class ResponsesEndpoint:
             answer = await self.serving.chat_completions(chat_body)
         except APIError as e:
             raise _renamed(e, sources) from None
-        response_id = _id("resp")
+        response_id = new_id("resp")
         if answer.events is not None:
             return Answer(response_id, events=self._events(req, response_id, answer.events,
                                                            sources))
@@ -215,11 +193,11 @@ class ResponsesEndpoint:
         message = chat["choices"][0]["message"]
         output = []
         if message.get("reasoning_content"):
-            output.append(_reasoning_item(_id("rs"), message["reasoning_content"]))
+            output.append(reasoning_item(new_id("rs"), message["reasoning_content"]))
         calls = message.get("tool_calls") or []
         if message.get("content") or not calls:
-            output.append(_message_item(_id("msg"), message.get("content") or ""))
-        output += [_call_item(c) for c in calls]
+            output.append(message_item(new_id("msg"), message.get("content") or ""))
+        output += [call_item(c) for c in calls]
         return Answer(response_id, body=self._response(
             req, response_id, chat["created"], output, chat["choices"][0]["finish_reason"],
             chat["usage"]))
@@ -257,7 +235,7 @@ class ResponsesEndpoint:
                       chunks: AsyncIterator[str], sources: list[str]) -> AsyncIterator[str]:
         """The chat stream's chunks as Responses events; text and reasoning stream as
         they grow, each function call as one item once the answer is parsed."""
-        stream = _EventStream()
+        stream = EventStream()
         created = time.time()
         yield stream.event("response.created", response=self._response(
             req, response_id, created, [], None, None))
@@ -303,93 +281,6 @@ class ResponsesEndpoint:
                 req, response_id, created, stream.output, None, usage, e))
         finally:
             await chunks.aclose()   # a client gone: the chat stream aborts its choice
-
-
-class _EventStream:
-    """The Responses events of one answer as its output items open, grow and close."""
-
-    def __init__(self) -> None:
-        self.sequence = 0
-        self.output: list[dict[str, Any]] = []
-        self.open: tuple[str, str, str] | None = None   # (kind, item id, text so far)
-        self.calls: dict[int, dict[str, Any]] = {}      # chat call index -> its item
-
-    def event(self, kind: str, **fields: Any) -> str:
-        body = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    def text(self, kind: str, delta: str) -> list[str]:
-        """``delta`` of the reasoning or the message; opens its item first."""
-        events = []
-        if self.open is not None and self.open[0] != kind:
-            events += self.close_text()
-        if self.open is None:
-            item_id = _id("msg" if kind == "content" else "rs")
-            self.open = (kind, item_id, "")
-            item = _message_item(item_id, "", "in_progress") if kind == "content" else \
-                {"type": "reasoning", "id": item_id, "summary": [], "content": []}
-            events.append(self.event("response.output_item.added",
-                                     output_index=len(self.output), item=item))
-            if kind == "content":
-                events.append(self.event(
-                    "response.content_part.added", item_id=item_id,
-                    output_index=len(self.output), content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []}))
-        kind, item_id, text = self.open
-        self.open = (kind, item_id, text + delta)
-        name, extra = ("output_text", {"logprobs": []}) if kind == "content" else \
-            ("reasoning_text", {})
-        if delta:
-            events.append(self.event(f"response.{name}.delta", item_id=item_id,
-                                     output_index=len(self.output), content_index=0,
-                                     delta=delta, **extra))
-        return events
-
-    def close_text(self) -> list[str]:
-        if self.open is None:
-            return []
-        kind, item_id, text = self.open
-        self.open = None
-        index = len(self.output)
-        if kind == "content":
-            item = _message_item(item_id, text)
-            part = item["content"][0]
-            events = [self.event("response.output_text.done", item_id=item_id,
-                                 output_index=index, content_index=0, text=text,
-                                 logprobs=[]),
-                      self.event("response.content_part.done", item_id=item_id,
-                                 output_index=index, content_index=0, part=part)]
-        else:
-            item = _reasoning_item(item_id, text)
-            events = [self.event("response.reasoning_text.done", item_id=item_id,
-                                 output_index=index, content_index=0, text=text)]
-        self.output.append(item)
-        return events + [self.event("response.output_item.done", output_index=index,
-                                    item=item)]
-
-    def call(self, part: dict[str, Any]) -> list[str]:
-        """A chat tool-call delta: its head opens the call's item, its arguments (all of
-        them, in one delta) complete it."""
-        events = self.close_text()
-        index = part["index"]
-        if index not in self.calls:
-            item = self.calls[index] = _call_item(
-                {"id": part["id"], "function": {"name": part["function"]["name"],
-                                                "arguments": ""}}, "in_progress")
-            self.output.append(item)
-            return events + [self.event("response.output_item.added",
-                                        output_index=len(self.output) - 1, item=item)]
-        item = self.calls[index]
-        arguments = part["function"]["arguments"]
-        item.update(arguments=arguments, status="completed")
-        at = self.output.index(item)
-        return events + [
-            self.event("response.function_call_arguments.delta", item_id=item["id"],
-                       output_index=at, delta=arguments),
-            self.event("response.function_call_arguments.done", item_id=item["id"],
-                       output_index=at, arguments=arguments),
-            self.event("response.output_item.done", output_index=at, item=item)]
 
 
 def _renamed(e: APIError, sources: list[str]) -> APIError:

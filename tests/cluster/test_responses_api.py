@@ -15,7 +15,8 @@ import pytest
 from pydantic import TypeAdapter
 
 from cluster.openai_protocol import APIError
-from cluster.responses_api import ResponsesRequest, _EventStream, _renamed, parse_request
+from cluster.responses_api import ResponsesRequest, _renamed, parse_request
+from cluster.responses_events import EventStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 
@@ -120,7 +121,7 @@ def _sse(chunk: dict) -> str:
 def test_a_chat_stream_becomes_events_the_openai_types_accept():
     from openai.types.responses import ResponseStreamEvent
 
-    stream = _EventStream()
+    stream = EventStream()
     events = stream.text("reasoning_content", "think")
     events += stream.text("content", "Hello")
     events += stream.text("content", " there")
