@@ -254,10 +254,11 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head(free_ports) -> Iterator[Head]:
     """A head node of our own (own ports, temp dir and session), apart from the test
-    session's Ray instance; stopped by killing exactly its processes, never `ray stop`."""
+    session's Ray instance, shared by the module's jobs (each checks that it leaves no
+    actor behind); stopped by killing exactly its processes, never `ray stop`."""
     temp_dir = tempfile.mkdtemp(prefix="rb-", dir="/tmp")   # short: socket paths
     gcs, dash, listen, grpc, metrics, env_agent, node, objects, client = free_ports(9)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")
