@@ -6,7 +6,9 @@ a reader never sees half a file. At the end the output and the parts are merged 
 a new file that replaces the output in one rename, each id once. A resumed job reads
 the ids of both and skips those rows. The output's suffix picks its format: a Parquet
 table of ``ResultRow`` (a file of prompts), or the JSONL lines of OpenAI's Batch API
-output, keyed by ``custom_id`` (a file of requests, ``openai_batch``).
+output, keyed by ``custom_id`` (a file of requests, ``openai_batch``). A job hands each
+finished row to a ``ResultSink``, which counts it (summary, progress bar) and decides
+when the pending rows become a part.
 """
 
 from __future__ import annotations
