@@ -284,18 +284,29 @@ class ResponsesEndpoint:
 
 
 def _renamed(e: APIError, sources: list[str]) -> APIError:
-    """A chat path's refusal, naming the field as the Responses request names it
-    (``messages.N`` as the field that message came from)."""
+    """A chat path's refusal, naming the field as the Responses request names it:
+    ``messages.N`` as the field that message came from, a tool's or tool choice's
+    ``function.`` and a response format's ``json_schema.`` left out, as the Responses
+    shapes leave them out, and the renamed fields (``_RENAMED``)."""
     parts = (e.param or "").split(".")
-    if parts[0] not in _RENAMED:
-        return e
-    if parts[0] == "messages" and len(parts) > 1 and parts[1].isdigit() \
+    head = parts[0]
+    if head == "messages" and len(parts) > 1 and parts[1].isdigit() \
             and int(parts[1]) < len(sources):
         source = sources[int(parts[1])]   # an input item, input (text) or instructions
-        param = ".".join([source, *parts[2:]]) if source.startswith("input.") else source
+        parts = [source, *parts[2:]] if source.startswith("input.") else [source]
+    elif head in ("tools", "tool_choice", "response_format"):
+        nested = {"tools": (2, "function"), "tool_choice": (1, "function"),
+                  "response_format": (1, "json_schema")}
+        at, word = nested[head]
+        if len(parts) > at and parts[at] == word:
+            del parts[at]
+        parts[0] = _RENAMED.get(head, head)
+    elif head in _RENAMED:
+        parts[0] = _RENAMED[head]
     else:
-        param = ".".join([_RENAMED[parts[0]], *parts[1:]])
-    message = e.message.replace(e.param or "", param, 1)
+        return e
+    param = ".".join(parts)
+    message = e.message.replace(e.param or "", param)
     return APIError(e.status, message, type=e.type, param=param, code=e.code,
                     retry_after_s=e.retry_after_s)
 

@@ -111,7 +111,16 @@ def test_a_chat_refusal_names_the_responses_field():
     e = _renamed(APIError(400, "max_completion_tokens: too many",
                           param="max_completion_tokens"), sources)
     assert (e.param, e.message) == ("max_output_tokens", "max_output_tokens: too many")
+    e = _renamed(APIError(400, "max_tokens asks for 9 more; lower max_tokens to 2",
+                          param="max_tokens"), sources)
+    assert e.message == "max_output_tokens asks for 9 more; lower max_output_tokens to 2"
     assert _renamed(APIError(400, "seed: x", param="seed"), sources).param == "seed"
+    for chat, responses in [("tools.1.function.name", "tools.1.name"),
+                            ("tool_choice.function.name", "tool_choice.name"),
+                            ("response_format.json_schema.schema", "text.format.schema"),
+                            ("response_format.type", "text.format.type"), ("tools", "tools")]:
+        e = _renamed(APIError(400, f"{chat}: bad", param=chat), sources)
+        assert (e.param, e.message) == (responses, f"{responses}: bad")
 
 
 def _sse(chunk: dict) -> str:
