@@ -55,6 +55,7 @@ class ResultFormat(Protocol):
     suffix: str
 
     def encode(self, rows: list[Any]) -> Any: ...
+    def count(self, path: Path) -> int: ...
     def chunks(self, path: Path) -> Iterator[tuple[list[str], Any]]: ...
     def select(self, chunk: Any, keep: list[bool]) -> Any: ...
     def write(self, path: Path, chunks: Iterable[Any]) -> None: ...
@@ -68,6 +69,9 @@ class ParquetRows:
     def encode(self, rows: list[ResultRow]) -> pa.Table:
         return pa.Table.from_pylist([dict(zip(_NAMES, astuple(r))) for r in rows],
                                     schema=OUTPUT_SCHEMA)
+
+    def count(self, path: Path) -> int:
+        return pq.ParquetFile(path).metadata.num_rows
 
     def chunks(self, path: Path) -> Iterator[tuple[list[str], pa.Table]]:
         f = pq.ParquetFile(path)
@@ -94,6 +98,10 @@ class BatchOutputLines:
 
     def encode(self, rows: list[dict[str, Any]]) -> list[bytes]:
         return [json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows]
+
+    def count(self, path: Path) -> int:
+        with path.open("rb") as f:
+            return sum(1 for line in f if line.strip())
 
     def chunks(self, path: Path) -> Iterator[tuple[list[str], list[bytes]]]:
         ids: list[str] = []
@@ -182,7 +190,7 @@ class OutputStore:
         the number of rows. The parts are removed only after the rename."""
         if self.output.is_file() and not self._part_files():   # nothing new
             shutil.rmtree(self.parts, ignore_errors=True)
-            return sum(len(ids) for ids, _ in self.format.chunks(self.output))
+            return self.format.count(self.output)
         self.output.parent.mkdir(parents=True, exist_ok=True)
         written: set[str] = set()
 
