@@ -232,8 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the defaults below. Output columns: id, row, text, finish_reason, prompt_tokens, "
         "completion_tokens, error (null unless the row was refused). With a .jsonl output "
         "the input is an OpenAI Batch API file instead (what `vllm run-batch` reads): "
-        "lines of {custom_id, method: POST, url: /v1/chat/completions or /v1/completions, "
-        "body}, each answered as the HTTP endpoint answers it, into lines of {id, "
+        "lines of {custom_id, method: POST, url: /v1/chat/completions, /v1/completions or "
+        "/v1/responses, body}, each answered as the HTTP endpoint answers it, into lines of {id, "
         "custom_id, response: {status_code, request_id, body}, error}; the sampling "
         "options below do not apply (each body has its own). Rows whose id (custom_id) is "
         "already in the output are skipped: rerun the same command to resume.")
