@@ -90,10 +90,12 @@ def batch_config(config: EngineConfig, output: Path) -> EngineConfig:
         config, cluster=dataclasses.replace(config.cluster, name=f"batch-{digest}"))
 
 
-def run_batch(llm: LLM, opts: BatchOptions) -> BatchSummary:
+def run_batch(llm: LLM, opts: BatchOptions, total: int | None = None) -> BatchSummary:
     """Run every input row (or request) not yet in the output through ``llm``; merge
-    the output."""
-    total = opts.check()
+    the output. ``total``: what ``opts.check()`` returned, if the caller ran it (a file
+    of requests is read whole to check it; once is enough)."""
+    if total is None:
+        total = opts.check()
     store = OutputStore(opts.output)
     done = store.done_ids()
     window = min(opts.window, llm.config.cluster.max_waiting)
@@ -229,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
     """``python -m cluster batch``: 0 when every row is in the output (some perhaps with
     an error), 130 when interrupted (run the same command again to resume)."""
     opts = options_from_args(args)
-    opts.check()
+    total = opts.check()
     llm = None
     previous = signal.getsignal(signal.SIGTERM)
     try:
@@ -237,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
         # `ray job stop` sends SIGTERM. Set after ray.init, whose own handler would
         # otherwise replace this one and kill the driver before it stops its actors.
         signal.signal(signal.SIGTERM, interrupt)
-        summary = run_batch(llm, opts)
+        summary = run_batch(llm, opts, total)
     except KeyboardInterrupt:
         print(f"batch: interrupted; finished rows are kept in {opts.output}.parts/, run the "
               "same command again to resume", file=sys.stderr)

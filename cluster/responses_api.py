@@ -35,6 +35,9 @@ _SAME_FIELDS = ("model", "temperature", "top_p", "user", "parallel_tool_calls", 
 # A chat field's name in a refusal, as the Responses request names it.
 _RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens",
             "max_tokens": "max_output_tokens", "response_format": "text.format"}
+# A chat field's level that the Responses shape leaves out: (its place, its name).
+_NESTED = {"tools": (2, "function"), "tool_choice": (1, "function"),
+           "response_format": (1, "json_schema")}
 _ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -237,10 +240,9 @@ class ResponsesEndpoint:
         they grow, each function call as one item once the answer is parsed."""
         stream = EventStream()
         created = time.time()
-        yield stream.event("response.created", response=self._response(
-            req, response_id, created, [], None, None))
-        yield stream.event("response.in_progress", response=self._response(
-            req, response_id, created, [], None, None))
+        started = self._response(req, response_id, created, [], None, None)
+        yield stream.event("response.created", response=started)
+        yield stream.event("response.in_progress", response=started)
         finish_reason, usage = None, None
         try:
             async for sse in chunks:
@@ -294,10 +296,8 @@ def _renamed(e: APIError, sources: list[str]) -> APIError:
             and int(parts[1]) < len(sources):
         source = sources[int(parts[1])]   # an input item, input (text) or instructions
         parts = [source, *parts[2:]] if source.startswith("input.") else [source]
-    elif head in ("tools", "tool_choice", "response_format"):
-        nested = {"tools": (2, "function"), "tool_choice": (1, "function"),
-                  "response_format": (1, "json_schema")}
-        at, word = nested[head]
+    elif head in _NESTED:
+        at, word = _NESTED[head]
         if len(parts) > at and parts[at] == word:
             del parts[at]
         parts[0] = _RENAMED.get(head, head)
